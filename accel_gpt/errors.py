@@ -1,0 +1,13 @@
+"""User-facing errors: the CLI prints their message as one line and exits non-zero, no traceback."""
+
+
+class UserError(Exception):
+    """Bad input from the person running a command (config, paths, data). Exit code 2."""
+
+
+class ConfigError(UserError):
+    """A config key, value or combination that cannot work."""
+
+
+class DataError(UserError):
+    """Missing, truncated or mismatched token shards, or an unusable dataset."""
