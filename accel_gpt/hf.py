@@ -1,0 +1,320 @@
+"""transformers interoperability: our GPT <-> `GPT2LMHeadModel`, GPT-2 from a folder or the hub, and `export`.
+
+Both models use GPT-2's parameter names, so converting is a key-for-key copy with one twist: transformers'
+GPT-2 keeps its projections in `Conv1D`, whose weight is stored (in, out), while ours are `nn.Linear`,
+stored (out, in). Those four weights per block are transposed; everything else is copied as is.
+
+The GPT-2 tokenizer files of an export are derived from tiktoken's mergeable ranks (the same source that
+`prepare` tokenizes with), so a transformers tokenizer loaded from the export gives tiktoken's ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from accel_gpt.errors import UserError
+from accel_gpt.model import GPT, GPTConfig
+from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB
+
+if TYPE_CHECKING:
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase
+
+# Weights that transformers keeps in Conv1D layout (in, out); nn.Linear keeps (out, in).
+_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_WTE = "transformer.wte.weight"
+_LM_HEAD = "lm_head.weight"  # tied to wte on both sides: copied once, through wte
+# GELU with the tanh approximation under its two transformers names; "gelu" (exact erf) would differ.
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+
+
+# ---------------------------------------------------------------- weights
+
+
+def _map_state(src: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
+    """`src` under `keys`, Conv1D weights transposed: the same map works in both directions."""
+    return {k: src[k].t() if k.endswith(_CONV1D_WEIGHTS) else src[k] for k in keys}
+
+
+def _fit_vocab(wte: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The first `vocab_size` rows of `wte`; rows it lacks are filled with the mean of the rows it has.
+
+    Padded ids (50,257..50,303 when the vocabulary is padded to a multiple of 64 for fast matmuls) never
+    occur in the data, so only their output side matters. The LM head is tied, so a padded row's logit is
+    h . mean(w) = the mean of the real logits; by Jensen, exp(mean) <= mean(exp), so the padded rows together
+    take at most n_pad/V of the real softmax mass and raise any token's loss by at most log(1 + n_pad/V)
+    (< 0.001 nats for 47 rows over 50,257). Zero rows would give logit 0, which is not bounded by the real
+    logits at all (GPT-2's sit far below 0) and could take most of the mass. transformers'
+    `resize_token_embeddings(mean_resizing=True)` starts new rows from the mean for the same reason.
+    Identical rows get identical gradients, which is fine: training only has to push them all down.
+    """
+    n = wte.shape[0]
+    if vocab_size <= n:
+        return wte[:vocab_size]
+    pad = wte.mean(dim=0, keepdim=True).expand(vocab_size - n, -1)
+    return torch.cat([wte, pad], dim=0)
+
+
+def gpt2_config(cfg: GPTConfig, vocab_size: int | None = None) -> GPT2Config:
+    """The transformers config of our architecture: GELU-tanh, no dropout (ours has none), tied head."""
+    from transformers import GPT2Config
+
+    vocab_size = vocab_size or cfg.vocab_size
+    eot = GPT2_EOT if vocab_size > GPT2_EOT else None  # GPT-2's <|endoftext|> exists only in a GPT-2 vocabulary
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=cfg.seq_len,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_inner=None,  # 4 * n_embd, as in ours
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=cfg.layer_norm_eps,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        tie_word_embeddings=True,
+    )
+
+
+def to_transformers(model: GPT, vocab_size: int | None = None) -> GPT2LMHeadModel:
+    """A `GPT2LMHeadModel` (CPU, float32, eval mode) with `model`'s weights.
+
+    `vocab_size` smaller than the model's keeps only the first rows: `export` passes 50,257 to drop the
+    padded ids, which the tokenizer never produces. Larger pads as `_fit_vocab` explains.
+    """
+    from transformers import GPT2LMHeadModel
+
+    hf_model = GPT2LMHeadModel(gpt2_config(model.config, vocab_size))
+    src = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    state = _map_state(src, [k for k in src if k != _LM_HEAD])
+    state[_WTE] = _fit_vocab(state[_WTE], hf_model.config.vocab_size)
+    _load_tied(hf_model, state)
+    return hf_model.eval()
+
+
+def from_transformers(hf_model: GPT2LMHeadModel, vocab_size: int | None = None) -> GPT:
+    """Our GPT (CPU, float32, eval mode) with a `GPT2LMHeadModel`'s weights.
+
+    `vocab_size` larger than the checkpoint's pads the embedding (see `_fit_vocab`); smaller would drop
+    real tokens and is refused.
+    """
+    cfg = _gpt_config(hf_model.config)
+    if vocab_size is not None and vocab_size < cfg.vocab_size:
+        raise UserError(
+            f"vocab_size={vocab_size} is smaller than the GPT-2 checkpoint's {cfg.vocab_size}: "
+            "it would drop real tokens; use a vocab_size >= the checkpoint's"
+        )
+    model = GPT(replace(cfg, vocab_size=vocab_size or cfg.vocab_size))
+    src = {k: v.detach().to("cpu", torch.float32) for k, v in hf_model.state_dict().items()}
+    state = _map_state(src, [k for k in model.state_dict() if k != _LM_HEAD])
+    state[_WTE] = _fit_vocab(state[_WTE], model.config.vocab_size)
+    _load_tied(model, state)
+    return model.eval()
+
+
+def _load_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load everything but the tied head (it shares wte's storage) and fail loudly on any other gap."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) != {_LM_HEAD} or unexpected:
+        raise RuntimeError(f"weight map incomplete: missing {missing}, unexpected {unexpected}")
+    if model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr():
+        raise RuntimeError("lm_head is not tied to transformer.wte after loading")
+
+
+def _gpt_config(hf_config: GPT2Config) -> GPTConfig:
+    """Our config for a transformers GPT-2 config, refusing the variants our GPT cannot reproduce."""
+    checks = {
+        "model_type": (hf_config.model_type, "gpt2"),
+        "activation_function": (hf_config.activation_function, _TANH_GELUS),
+        "n_inner": (hf_config.n_inner, (None, 4 * hf_config.n_embd)),
+        "scale_attn_weights": (hf_config.scale_attn_weights, True),
+        "scale_attn_by_inverse_layer_idx": (hf_config.scale_attn_by_inverse_layer_idx, False),
+        "add_cross_attention": (getattr(hf_config, "add_cross_attention", False), False),
+        "tie_word_embeddings": (getattr(hf_config, "tie_word_embeddings", True), True),
+    }
+    for name, (value, allowed) in checks.items():
+        if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+            raise UserError(f"unsupported GPT-2 variant: {name}={value!r}, accel_gpt's GPT needs {allowed!r}")
+    return GPTConfig(
+        n_layer=hf_config.n_layer,
+        n_head=hf_config.n_head,
+        n_embd=hf_config.n_embd,
+        seq_len=hf_config.n_positions,
+        vocab_size=hf_config.vocab_size,
+        layer_norm_eps=hf_config.layer_norm_epsilon,
+    )
+
+
+def load_transformers_gpt2(path_or_id: str, vocab_size: int | None = None) -> GPT:
+    """Our GPT from a transformers GPT-2 folder or hub id (`gpt2`, `openai-community/gpt2-medium`, ...).
+
+    Used by `init_from` (pass the trainer's `vocab_size`, e.g. 50,304, to pad the embedding) and by
+    eval/sample on `--checkpoint gpt2`. The hub is reached through `from_pretrained`, so its cache and
+    `HF_HUB_OFFLINE` apply. Weights load as float32 whatever the checkpoint stores: this model trains.
+    """
+    from transformers import AutoConfig, GPT2LMHeadModel
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path_or_id)
+        _gpt_config(hf_config)  # refuse other architectures before reading their weights
+        hf_model = GPT2LMHeadModel.from_pretrained(path_or_id, config=hf_config, dtype=torch.float32)
+    except UserError:
+        raise
+    except Exception as e:  # missing folder/id (OSError), corrupt safetensors, bad config.json (ValueError), ...
+        raise UserError(f"cannot load transformers GPT-2 '{path_or_id}': {_first_line(e)}") from None
+    return from_transformers(hf_model, vocab_size)
+
+
+def _first_line(e: Exception) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet its vocab.json and merges.txt are written in.
+
+    Bytes that are printable Latin-1 (other than space and the soft hyphen) stand for themselves; the
+    remaining 68 take the characters 256, 257, ... in byte order, so no token string holds whitespace or
+    control characters.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in table]
+    table.update({b: chr(256 + i) for i, b in enumerate(others)})
+    return table
+
+
+def _merge_parts(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The two pieces BPE joins to make `token`: byte-pair encode it with the ranks below its own.
+
+    tiktoken merges the adjacent pair whose concatenation has the lowest rank, and every rank above 255
+    is one merge in order, so stopping just before `token`'s own rank leaves exactly its two halves.
+    """
+    limit = ranks[token]
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        pairs = [(ranks.get(parts[i] + parts[i + 1], limit), i) for i in range(len(parts) - 1)]
+        rank, i = min(pairs)
+        if rank >= limit:
+            break
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    if len(parts) != 2:
+        raise RuntimeError(f"tiktoken rank {limit} ({token!r}) is not one merge of two lower-ranked tokens")
+    return parts[0], parts[1]
+
+
+def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """vocab.json and merges.txt content of GPT-2's tokenizer, rebuilt from tiktoken's `gpt2` ranks.
+
+    A token's id is its tiktoken rank, written in the byte-to-unicode alphabet; merges are listed in rank
+    order, which is the priority transformers' BPE applies. `<|endoftext|>` is id 50,256.
+    """
+    import tiktoken
+
+    enc = tiktoken.get_encoding("gpt2")
+    ranks: dict[bytes, int] = enc._mergeable_ranks  # the public API has no accessor for the raw ranks
+    table = _bytes_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(table[x] for x in b)
+
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    vocab.update(enc._special_tokens)
+    merges = [
+        tuple(text(p) for p in _merge_parts(token, ranks))
+        for token, _ in sorted(ranks.items(), key=lambda kv: kv[1])
+        if len(token) > 1
+    ]
+    if vocab.get("<|endoftext|>") != GPT2_EOT or len(vocab) != GPT2_VOCAB:
+        raise RuntimeError(f"tiktoken's gpt2 encoding is not GPT-2's 50,257-token vocabulary ({len(vocab)})")
+    return vocab, merges
+
+
+def gpt2_hf_tokenizer(
+    vocab: dict[str, int], merges: list[tuple[str, str]], model_max_length: int
+) -> PreTrainedTokenizerBase:
+    """A transformers GPT-2 tokenizer: byte-level BPE, `<|endoftext|>` as bos/eos/unk, as GPT-2's own."""
+    from transformers import GPT2Tokenizer
+
+    return GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
+
+
+def _write_vocab_and_merges(vocab: dict[str, int], merges: list[tuple[str, str]], out_dir: Path) -> None:
+    """GPT-2's original vocab.json + merges.txt beside tokenizer.json, for readers without `tokenizers`."""
+    (out_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    lines = ["#version: 0.2", *(f"{a} {b}" for a, b in merges)]
+    (out_dir / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------- export
+
+
+def export(path: str | Path, out_dir: str | Path) -> Path:
+    """Write a run dir's or checkpoint's model as a transformers GPT-2 folder; returns that folder.
+
+    The folder holds model.safetensors + config.json + generation_config.json and the tokenizer files,
+    so `GPT2LMHeadModel.from_pretrained`, `AutoTokenizer.from_pretrained` and `pipeline` load it offline.
+    Only the 50,257 real vocabulary rows are written. Everything is staged in a temporary sibling folder
+    and renamed into place, so a failure leaves no half-written export and `out_dir` is never merged into.
+    """
+    from transformers import GenerationConfig
+
+    from accel_gpt.artifacts import load_model
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out_dir {out} already exists and is not an empty folder; choose a new or empty one")
+    model, _, meta = load_model(path)
+    _check_exportable(meta["tokenizer"]["name"], model.config.vocab_size, path)
+    hf_model = to_transformers(model, vocab_size=GPT2_VOCAB)
+    hf_model.generation_config = GenerationConfig(
+        bos_token_id=GPT2_EOT,
+        eos_token_id=GPT2_EOT,
+        pad_token_id=GPT2_EOT,  # GPT-2 has no pad token
+    )
+    vocab, merges = gpt2_vocab_and_merges()
+    tokenizer = gpt2_hf_tokenizer(vocab, merges, model_max_length=model.config.seq_len)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        hf_model.save_pretrained(stage)
+        tokenizer.save_pretrained(stage)
+        _write_vocab_and_merges(vocab, merges, stage)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_exportable(tokenizer_name: str, vocab_size: int, path: str | Path) -> None:
+    if tokenizer_name != "gpt2":
+        raise UserError(
+            f"{path} was trained with the '{tokenizer_name}' tokenizer; export writes GPT-2 BPE tokenizer files "
+            "and supports only models trained on gpt2 tokens"
+        )
+    if vocab_size < GPT2_VOCAB:
+        raise UserError(f"{path} has vocab_size={vocab_size}, fewer than GPT-2's {GPT2_VOCAB} tokens")
+
+
+def run_export(args: argparse.Namespace) -> None:
+    """CLI `export`: one line naming what was written."""
+    out = export(args.checkpoint, args.out_dir)
+    print(f"exported {args.checkpoint} -> {out} (GPT2LMHeadModel + GPT-2 tokenizer, vocab {GPT2_VOCAB})")
