@@ -1,0 +1,296 @@
+"""HellaSwag: pick the most likely of four endings, scored by the language model itself.
+
+Each candidate is `context tokens + tokens of (" " + ending)` (tiktoken gpt2). The four candidates of an
+example sit in one right-padded batch; a mask marks the ending tokens, and only their losses count.
+`acc_norm` picks the ending with the lowest *mean* token loss, `acc` the lowest *summed* loss (which
+favours short endings). Several examples share a forward pass.
+
+Distribution: the examples go through a DataLoader prepared by the Accelerator, so rank r scores only
+its own share, and per-example results come back through `gather_for_metrics`, which drops the
+duplicates that even batching pads into the last batch. Every rank therefore holds the same complete
+list of predictions, for any number of processes and any number of examples.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import extract_model_from_parallel
+from torch.utils.data import DataLoader, Dataset
+
+from accel_gpt.errors import UserError
+from accel_gpt.tokenizer import GPT2_VOCAB, GPT2Tokenizer
+
+logger = get_logger(__name__)
+
+NUM_ENDINGS = 4
+HUB_ID = "Rowan/hellaswag"
+_HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
+# Padded lengths are rounded up to this many tokens: fewer distinct shapes for `torch.compile` to
+# specialise on, and GPU-friendly sizes; the extra positions are masked out and, being on the right
+# under causal attention, never change the scored positions.
+PAD_MULTIPLE = 32
+
+
+@dataclass(frozen=True)
+class Example:
+    ind: int  # the row's own `ind` (its position in the source when the row has none)
+    ctx: str
+    endings: tuple[str, ...]
+    label: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    position: int  # index in the list of examples that was scored
+    ind: int
+    label: int
+    pred_norm: int  # argmin of the mean ending-token loss
+    pred_sum: int  # argmin of the summed ending-token loss
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_hellaswag(source: str, limit: int | None = None) -> list[Example]:
+    """Examples from a jsonl file, an http(s) URL of one (original release format) or a hub dataset id.
+
+    The hub branch (`Rowan/hellaswag`, validation split) imports `datasets` only when it is taken, so
+    training and file-based evaluation run without `datasets` installed.
+    """
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit must be a positive number of examples, got {limit}")
+    if source.startswith(("http://", "https://")):
+        rows = _jsonl_rows(_fetch_lines(source), source)
+    elif Path(source).is_file():
+        rows = _jsonl_rows(_file_lines(Path(source)), source)
+    elif _HUB_ID_RE.match(source) and not source.endswith((".jsonl", ".json")):
+        rows = _hub_rows(source)
+    else:
+        raise UserError(f"HellaSwag source '{source}' is not a jsonl file, an http(s) URL or a hub id like {HUB_ID}")
+    examples = []
+    for position, (where, row) in enumerate(rows):
+        if limit is not None and position >= limit:
+            break
+        examples.append(parse_row(row, where, position))
+    if not examples:
+        raise UserError(f"HellaSwag source '{source}' holds no examples")
+    return examples
+
+
+def _file_lines(path: Path) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        yield from f
+
+
+def _fetch_lines(url: str) -> list[str]:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            text = response.read().decode("utf-8")
+    except (urllib.error.URLError, OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read HellaSwag from {url}: {e}") from None
+    return text.splitlines()
+
+
+def _jsonl_rows(lines: Any, source: str) -> Iterator[tuple[str, Any]]:
+    """(location, decoded object) per non-blank line; locations are 1-based line numbers."""
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{source} line {number}"
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _hub_rows(hub_id: str) -> Iterator[tuple[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(f"loading '{hub_id}' from the hub needs the `datasets` package; or pass a jsonl file") from None
+    try:
+        split = datasets.load_dataset(hub_id, split="validation")
+    except Exception as e:  # datasets raises many types (offline, not found, no such split)
+        raise UserError(f"cannot load the validation split of hub dataset '{hub_id}': {e}") from None
+    for number, row in enumerate(split):
+        yield f"{hub_id} validation row {number}", row
+
+
+def parse_row(row: Any, where: str, position: int) -> Example:
+    """Check one row of the original format; the hub's string labels ("0".."3") are accepted too."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    missing = [k for k in ("ctx", "endings", "label") if k not in row]
+    if missing:
+        raise UserError(f"{where}: missing field(s) {', '.join(missing)} (expected ctx, endings, label)")
+    ctx, endings, label = row["ctx"], row["endings"], row["label"]
+    if not isinstance(ctx, str):
+        raise UserError(f"{where}: 'ctx' must be a string, got {type(ctx).__name__}")
+    if not isinstance(endings, list) or len(endings) != NUM_ENDINGS or not all(isinstance(e, str) for e in endings):
+        got = f"{len(endings)} items" if isinstance(endings, list) else type(endings).__name__
+        raise UserError(f"{where}: 'endings' must be a list of {NUM_ENDINGS} strings, got {got}")
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < NUM_ENDINGS:
+        raise UserError(f"{where}: 'label' must be an integer 0-{NUM_ENDINGS - 1}, got {row['label']!r}")
+    ind = row.get("ind", position)
+    if isinstance(ind, bool) or not isinstance(ind, int):
+        raise UserError(f"{where}: 'ind' must be an integer, got {ind!r}")
+    return Example(ind=ind, ctx=ctx, endings=tuple(endings), label=label)
+
+
+# ---------------------------------------------------------------------------------------------- batching
+
+
+class HellaSwagTokens(Dataset):
+    """Examples tokenized on access, so each rank encodes only the examples it scores."""
+
+    def __init__(self, examples: list[Example], tokenizer: GPT2Tokenizer, seq_len: int) -> None:
+        self.examples = examples
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        ex = self.examples[i]
+        ctx = self.tokenizer.encode(ex.ctx)
+        rows, masks = [], []
+        for ending in self.tokenizer.encode_batch([" " + e for e in ex.endings]):
+            # too long for the context window: keep the rightmost tokens, so the ending survives whole
+            rows.append((ctx + ending)[-self.seq_len :])
+            masks.append(([0] * len(ctx) + [1] * len(ending))[-self.seq_len :])
+        return {"position": i, "label": ex.label, "rows": rows, "masks": masks}
+
+
+def collate(items: list[dict[str, Any]], seq_len: int) -> dict[str, torch.Tensor]:
+    """n examples -> tokens/mask (4n, T) right-padded with token 0, plus position and label (n,)."""
+    rows = [r for item in items for r in item["rows"]]
+    masks = [m for item in items for m in item["masks"]]
+    longest = max(len(r) for r in rows)  # rows are already cut to seq_len
+    T = min(-(-longest // PAD_MULTIPLE) * PAD_MULTIPLE, seq_len)
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.bool)
+    for j, (r, m) in enumerate(zip(rows, masks, strict=True)):
+        tokens[j, : len(r)] = torch.tensor(r)
+        mask[j, : len(m)] = torch.tensor(m, dtype=torch.bool)
+    return {
+        "tokens": tokens,
+        "mask": mask,
+        "position": torch.tensor([item["position"] for item in items]),
+        "label": torch.tensor([item["label"] for item in items]),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+
+
+def candidate_losses(
+    model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed and mean cross-entropy over the masked (ending) tokens of each row: two (N,) fp32 tensors.
+
+    Token t is predicted at position t-1, so the loss of row j is read from logits[j, :-1] against
+    tokens[j, 1:] where mask[j, 1:] is set. Only those positions go through the fp32 cross-entropy,
+    which keeps the (N, T, vocab) fp32 copy to the ending tokens alone.
+    """
+    logits, _ = model(tokens)  # (N, T, V)
+    scored = mask[:, 1:]  # (N, T-1)
+    ce = F.cross_entropy(logits[:, :-1][scored].float(), tokens[:, 1:][scored], reduction="none")
+    token_loss = torch.zeros(scored.shape, dtype=torch.float32, device=tokens.device)
+    token_loss[scored] = ce
+    total = token_loss.sum(1)
+    return total, total / scored.sum(1).clamp(min=1)
+
+
+def choose(total: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(4n,) candidate losses -> (pred_norm, pred_sum), each (n,): the lowest mean and the lowest sum."""
+    return mean.view(-1, NUM_ENDINGS).argmin(1), total.view(-1, NUM_ENDINGS).argmin(1)
+
+
+@torch.no_grad()
+def score_hellaswag(
+    model: torch.nn.Module, accelerator: Accelerator, examples: list[Example], batch_size: int
+) -> list[Prediction]:
+    """Per-example predictions in example order, identical on every rank; every rank must call this.
+
+    `model` may be the prepared one (DDP/FSDP-wrapped, compiled, under mixed-precision autocast): even
+    batching gives every rank the same number of forward passes, so wrappers that communicate inside
+    forward stay in step. `batch_size` counts examples, i.e. 4x as many rows per forward pass.
+    """
+    cfg = extract_model_from_parallel(model).config
+    if cfg.vocab_size < GPT2_VOCAB:
+        raise UserError(f"HellaSwag needs a GPT-2 vocabulary (>= {GPT2_VOCAB} ids); this model has {cfg.vocab_size}")
+    dataset = HellaSwagTokens(examples, GPT2Tokenizer(), cfg.seq_len)
+    loader = DataLoader(dataset, batch_size=batch_size, collate_fn=partial(collate, seq_len=cfg.seq_len))
+    loader = accelerator.prepare_data_loader(loader)
+    was_training = model.training
+    model.eval()
+    gathered: list[dict[str, torch.Tensor]] = []
+    for batch in loader:
+        total, mean = candidate_losses(model, batch["tokens"], batch["mask"])
+        pred_norm, pred_sum = choose(total, mean)
+        result = {"position": batch["position"], "label": batch["label"], "pred_norm": pred_norm, "pred_sum": pred_sum}
+        gathered.append({k: v.cpu() for k, v in accelerator.gather_for_metrics(result).items()})
+    model.train(was_training)
+    _forget(accelerator, loader)
+    return _in_order(gathered, examples)
+
+
+def _forget(accelerator: Accelerator, loader: DataLoader) -> None:
+    """Drop the Accelerator's reference to a per-call loader; it keeps every prepared loader (for
+    `save_state`), so a loader made at each periodic evaluation would otherwise pile up over a run."""
+    registry = getattr(accelerator, "_dataloaders", None)
+    if registry is not None and loader in registry:
+        registry.remove(loader)
+
+
+def _in_order(gathered: list[dict[str, torch.Tensor]], examples: list[Example]) -> list[Prediction]:
+    """Gathered batches (rank-interleaved) -> one prediction per example, in example order."""
+    columns = {k: torch.cat([g[k] for g in gathered]).tolist() for k in gathered[0]}
+    by_position: dict[int, Prediction] = {}
+    for position, label, pred_norm, pred_sum in zip(
+        columns["position"], columns["label"], columns["pred_norm"], columns["pred_sum"], strict=True
+    ):
+        if position in by_position:
+            raise RuntimeError(f"HellaSwag example {position} was gathered twice: duplicates were not dropped")
+        by_position[position] = Prediction(position, examples[position].ind, label, pred_norm, pred_sum)
+    if len(by_position) != len(examples):
+        raise RuntimeError(f"gathered {len(by_position)} HellaSwag results for {len(examples)} examples")
+    return [by_position[p] for p in range(len(examples))]
+
+
+def hellaswag_metrics(predictions: list[Prediction]) -> dict[str, float | int]:
+    correct_norm = sum(p.pred_norm == p.label for p in predictions)
+    correct = sum(p.pred_sum == p.label for p in predictions)
+    total = len(predictions)
+    return {
+        "acc_norm": correct_norm / total,
+        "acc": correct / total,
+        "correct_norm": correct_norm,
+        "correct": correct,
+        "total": total,
+    }
+
+
+def evaluate_hellaswag(
+    model: torch.nn.Module, accelerator: Accelerator, examples: list[Example], batch_size: int
+) -> dict[str, float | int]:
+    """`acc_norm, acc, correct_norm, correct, total`, the same on every rank; every rank must call this."""
+    metrics = hellaswag_metrics(score_hellaswag(model, accelerator, examples, batch_size))
+    logger.info(f"HellaSwag: acc_norm {metrics['acc_norm']:.4f} on {metrics['total']} examples")
+    return metrics

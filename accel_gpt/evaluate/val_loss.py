@@ -1,0 +1,35 @@
+"""Validation loss over a fixed set of windows, the same number for any number of processes.
+
+Each sequence's mean token loss is gathered with `gather_for_metrics` (which drops the duplicates that
+even batching pads into the last batch), and the mean is taken over all of them in float64. All windows
+have `seq_len` tokens, so the mean of per-sequence means is the token-level mean, and the value depends
+only on which windows are in `val_dl`, not on how they were split over the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+
+@torch.no_grad()
+def evaluate_loss(model: torch.nn.Module, val_dl: DataLoader, accelerator: Accelerator) -> float:
+    """Mean cross-entropy over every window of `val_dl` (already passed through `accelerator.prepare`).
+
+    Every rank must call this (it gathers). The model may be the prepared one (DDP/FSDP, compiled,
+    autocast); it is put back into the train/eval mode it was in.
+    """
+    was_training = model.training
+    model.eval()
+    per_sequence = []
+    for x, y in val_dl:
+        logits, _ = model(x)  # (B, T, V)
+        B, T, V = logits.shape
+        loss = F.cross_entropy(logits.reshape(B * T, V).float(), y.reshape(B * T), reduction="none")
+        per_sequence.append(accelerator.gather_for_metrics(loss.view(B, T).mean(1)))
+    model.train(was_training)
+    if not per_sequence:
+        raise ValueError("the validation DataLoader is empty")
+    return torch.cat(per_sequence).double().mean().item()

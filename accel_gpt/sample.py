@@ -1,0 +1,127 @@
+"""Text generation: temperature / top-k sampling (temperature 0 = greedy), reproducible from a seed.
+
+The model has no KV cache, so each new token is one forward pass over the last `seq_len` tokens: a
+prompt longer than the context is cropped from the left, and a sequence keeps growing past `seq_len`
+as a sliding window.
+
+During training every rank calls `sample_text` with the same seed on its prepared model (DDP- or
+FSDP-wrapped, compiled, autocast all work: every rank runs the same number of forward passes, which
+FSDP's gathers need), and only the main process prints the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+
+from accel_gpt.errors import UserError
+from accel_gpt.tokenizer import Tokenizer
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """(B, T) prompt ids -> (B, T + max_new_tokens): the prompt followed by the generated tokens.
+
+    `generator` (on the same device as `idx`) makes the draws reproducible; `top_k` None or 0 keeps
+    the whole vocabulary. The caller sets eval mode (`sample_text` does).
+    """
+    seq_len = extract_model_from_parallel(model).config.seq_len
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -seq_len:])  # the model sees at most its context window
+        logits = logits[:, -1, :].float()  # (B, V)
+        if temperature == 0:
+            next_id = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_id = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, next_id], dim=1)
+    return idx
+
+
+def sample_texts(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    device: str | torch.device,
+    num_samples: int = 1,
+) -> list[str]:
+    """`num_samples` continuations of `prompt` (each returned with the prompt in front), drawn together
+    from one generator seeded with `seed`: the same arguments give the same texts."""
+    if temperature < 0:
+        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise UserError(f"top_k must be >= 0 (0 = whole vocabulary), got {top_k}")
+    if max_new_tokens < 0 or num_samples < 1:
+        raise UserError(f"need max_new_tokens >= 0 and num_samples >= 1, got {max_new_tokens} and {num_samples}")
+    ids = _encode_prompt(tokenizer, prompt)
+    device = torch.device(device)
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    out = generate(model, idx, max_new_tokens, temperature, top_k, generator)
+    model.train(was_training)
+    return [tokenizer.decode(row) for row in out.tolist()]
+
+
+def sample_text(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    device: str | torch.device,
+) -> str:
+    """One continuation of `prompt`, prompt included. Accepts the prepared model as it is (no unwrap
+    needed); `device` is where the model lives (`accelerator.device` in training)."""
+    return sample_texts(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, device)[0]
+
+
+def _encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    try:
+        ids = tokenizer.encode(prompt)
+    except ValueError as e:  # a character outside a char vocabulary
+        raise UserError(f"cannot encode the prompt: {e}") from None
+    if not ids:  # an empty prompt starts from end-of-text, where a document would begin
+        if tokenizer.eot_token is None:
+            raise UserError("the prompt is empty and this tokenizer has no end-of-text token to start from")
+        ids = [tokenizer.eot_token]
+    return ids
+
+
+def run_sample(args: argparse.Namespace) -> None:
+    """`run.py sample`: print `num_samples` continuations, separated by a line of dashes."""
+    from accel_gpt.artifacts import load_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer, _ = load_model(args.checkpoint, device)
+    texts = sample_texts(
+        model,
+        tokenizer,
+        args.prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.seed,
+        device,
+        args.num_samples,
+    )
+    print(f"\n{'-' * 40}\n".join(texts))
