@@ -134,8 +134,9 @@ def _load_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 def _gpt_config(hf_config: GPT2Config) -> GPTConfig:
     """Our config for a transformers GPT-2 config, refusing the variants our GPT cannot reproduce."""
+    if hf_config.model_type != "gpt2":
+        raise UserError(f"expected a GPT-2 model (model_type 'gpt2'), got model_type {hf_config.model_type!r}")
     checks = {
-        "model_type": (hf_config.model_type, "gpt2"),
         "activation_function": (hf_config.activation_function, _TANH_GELUS),
         "n_inner": (hf_config.n_inner, (None, 4 * hf_config.n_embd)),
         "scale_attn_weights": (hf_config.scale_attn_weights, True),
@@ -172,7 +173,8 @@ def load_transformers_gpt2(path_or_id: str, vocab_size: int | None = None) -> GP
     except UserError:
         raise
     except Exception as e:  # missing folder/id (OSError), corrupt safetensors, bad config.json (ValueError), ...
-        raise UserError(f"cannot load transformers GPT-2 '{path_or_id}': {_first_line(e)}") from None
+        where = "" if Path(path_or_id).exists() else "not a local folder; as a hub id: "
+        raise UserError(f"cannot load transformers GPT-2 '{path_or_id}': {where}{_first_line(e)}") from None
     return from_transformers(hf_model, vocab_size)
 
 
@@ -316,5 +318,8 @@ def _check_exportable(tokenizer_name: str, vocab_size: int, path: str | Path) ->
 
 def run_export(args: argparse.Namespace) -> None:
     """CLI `export`: one line naming what was written."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's bar for one shard is noise in a one-line command
     out = export(args.checkpoint, args.out_dir)
     print(f"exported {args.checkpoint} -> {out} (GPT2LMHeadModel + GPT-2 tokenizer, vocab {GPT2_VOCAB})")

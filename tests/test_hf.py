@@ -144,8 +144,13 @@ def test_load_transformers_gpt2_folder_pads_and_errors_clearly(tmp_path):
     (folder / "model.safetensors").write_bytes(b"\x00not a safetensors file")
     with pytest.raises(UserError, match="cannot load transformers GPT-2"):
         hf.load_transformers_gpt2(str(folder))
-    with pytest.raises(UserError, match="cannot load transformers GPT-2 'no-such-org/no-such-model'"):
+    with pytest.raises(UserError, match="'no-such-org/no-such-model': not a local folder; as a hub id"):
         hf.load_transformers_gpt2("no-such-org/no-such-model")  # HF_HUB_OFFLINE=1: not cached, not fetched
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(UserError, match="expected a GPT-2 model .* got model_type 'llama'"):
+        hf.load_transformers_gpt2(str(other))
 
 
 def test_tokenizer_files_are_gpt2s_own():
@@ -260,21 +265,19 @@ def one_line_error(stderr: str) -> str:
     return lines[0]
 
 
-def test_export_refuses_char_tokenizer(tmp_path):
-    run_dir = tmp_path / "run"
-    save_model(GPT(GPTConfig(**TINY, vocab_size=65)), run_dir, {"name": "char", "chars": "abc"}, step=1)
-    proc = run_cmd(export_cmd(run_dir, tmp_path / "hf"), check=False, timeout=120)
-    assert proc.returncode == 2
-    assert "'char' tokenizer" in one_line_error(proc.stderr)
-    assert not (tmp_path / "hf").exists()
-
-
 def cli_export_error(checkpoint: Path, out: Path, capsys) -> str:
     """The CLI in-process (no interpreter start): exit code 2 and a one-line message."""
     with pytest.raises(SystemExit) as e:
         cli_main(["export", "--checkpoint", str(checkpoint), "--out_dir", str(out)])
     assert e.value.code == 2
     return one_line_error(capsys.readouterr().err)
+
+
+def test_export_refuses_char_tokenizer(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    save_model(GPT(GPTConfig(**TINY, vocab_size=65)), run_dir, {"name": "char", "chars": "abc"}, step=1)
+    assert "'char' tokenizer" in cli_export_error(run_dir, tmp_path / "hf", capsys)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_export_corrupt_or_missing_weights_error_clearly(tmp_path, capsys):
