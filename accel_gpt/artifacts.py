@@ -40,12 +40,21 @@ def tokenizer_from_meta(meta: dict[str, Any]) -> Tokenizer:
 
 
 def save_model(model: GPT, out_dir: Path, tokenizer: dict[str, Any], step: int) -> None:
-    """Weights (without the tied lm_head duplicate) and the config needed to rebuild them."""
+    """Weights and the config needed to rebuild them."""
+    meta = {"model": model.config.to_dict(), "tokenizer": tokenizer}
+    save_state_dict(model.state_dict(), meta, Path(out_dir), step)
+
+
+def save_state_dict(state_dict: dict[str, torch.Tensor], meta: dict[str, Any], out_dir: Path, step: int) -> None:
+    """`model.safetensors` (without lm_head.weight, the tied copy of wte) + `model_config.json`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {
+        k.removeprefix("_orig_mod.").removeprefix("module."): v.detach().cpu().contiguous()
+        for k, v in state_dict.items()
+    }
+    state.pop("lm_head.weight", None)
     save_file(state, str(out_dir / WEIGHTS))
-    meta = {"model": model.config.to_dict(), "tokenizer": tokenizer, "step": step}
-    (out_dir / MODEL_CONFIG).write_text(json.dumps(meta, indent=2))
+    (out_dir / MODEL_CONFIG).write_text(json.dumps({**meta, "step": step}, indent=2))
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Tokenizer, dict[str, Any]]:

@@ -63,3 +63,49 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def shakespeare_path() -> Path:
     return SHARED / "data" / "tinyshakespeare.txt"
+
+
+def write_token_shards(
+    data_dir: Path,
+    train: list[int],
+    val: list[int] | None = None,
+    shard_size: int | None = None,
+    vocab_size: int = 50257,
+) -> Path:
+    """Shards + manifest in the `prepare` format, straight from token lists (GPT-2 ids)."""
+    import numpy as np
+
+    from accel_gpt.data.shards import dtype_for_vocab, write_manifest, write_shard
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    dtype = dtype_for_vocab(vocab_size)
+    splits = {}
+    for split, tokens in (("train", train), ("val", val)):
+        if tokens is None:
+            continue
+        arr = np.asarray(tokens, dtype=dtype)
+        size = shard_size or len(arr)
+        splits[split] = [
+            write_shard(data_dir, split, i, arr[s : s + size]) for i, s in enumerate(range(0, len(arr), size))
+        ]
+    write_manifest(
+        data_dir,
+        {"tokenizer": "gpt2", "eot_token": 50256, "vocab_size": vocab_size, "dtype": dtype.name, "splits": splits},
+    )
+    return data_dir
+
+
+@pytest.fixture(scope="session")
+def shakespeare_tokens(shakespeare_path: Path) -> list[int]:
+    import tiktoken
+
+    return tiktoken.get_encoding("gpt2").encode_ordinary(shakespeare_path.read_text())
+
+
+@pytest.fixture(scope="session")
+def shakespeare_shards(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]) -> Path:
+    """Tiny Shakespeare as GPT-2 token shards: the last 10% of tokens are the validation split."""
+    cut = len(shakespeare_tokens) * 9 // 10
+    return write_token_shards(
+        tmp_path_factory.mktemp("shakespeare") / "data", shakespeare_tokens[:cut], shakespeare_tokens[cut:]
+    )

@@ -1,0 +1,365 @@
+"""The training loop. It reads top to bottom like the data flow in DESIGN.md:
+
+build (Accelerator, model, data, optimizer, schedule) -> resume -> loop over optimizer steps
+(accumulated micro-steps, clip, update; periodic eval / HellaSwag / samples / checkpoints) -> final
+weights. Devices, DDP wrapping, mixed precision and gradient sync belong to Accelerate; this module
+never names a rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    set_seed,
+)
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from accel_gpt.artifacts import save_state_dict, tokenizer_meta
+from accel_gpt.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
+from accel_gpt.config import MODEL_FIELDS, TrainConfig, save_config
+from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows, val_windows
+from accel_gpt.distributed import make_accelerator
+from accel_gpt.errors import ConfigError
+from accel_gpt.metrics import MetricsFile, device_peak_flops, resolve_trackers
+from accel_gpt.model import GPT, GPTConfig
+from accel_gpt.optim import make_optimizer, make_scheduler
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Run:
+    """What `build` prepares: the objects the loop drives."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_dl: DataLoader
+    sampler: WindowSampler
+    val_dl: DataLoader | None
+    hellaswag: list | None
+    model_meta: dict[str, Any]  # model shape + tokenizer, written beside every saved set of weights
+    flops_per_token: int
+
+
+def train(cfg: TrainConfig) -> None:
+    accelerator = build_accelerator(cfg)
+    run = build(cfg, accelerator)
+    state = TrainState(config=cfg.to_dict())
+    accelerator.register_for_checkpointing(state)
+    metrics = MetricsFile(Path(cfg.out_dir) / "metrics.jsonl", accelerator.is_main_process)
+    resume(cfg, accelerator, state, metrics)
+    start_run(cfg, accelerator)
+    run.sampler.start = state.data_position  # seek: the stream position follows from the step
+    batches = iter(run.train_dl)
+    logger.info(describe(cfg, accelerator, run))
+
+    stop = StopSignal()
+    progress = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, unit="step")
+    window = LogWindow(cfg, accelerator, run, state.step)
+    while state.step < cfg.max_steps:
+        window.add(train_step(run, batches, accelerator, cfg), stop.requested)
+        state.step += 1
+        state.tokens_seen += cfg.total_batch_size
+        state.data_position += cfg.windows_per_step
+        last = state.step == cfg.max_steps
+        extra: dict[str, Any] = {}
+        if due(state.step, cfg.eval_every, last) and run.val_dl is not None:
+            extra |= evaluate(run, accelerator, cfg, state)
+        if due(state.step, cfg.hellaswag_every, last) and run.hellaswag:
+            extra |= hellaswag(run, accelerator, cfg)
+        flush = last or extra or state.step % cfg.log_every == 0
+        stopping = window.flush(state.step, metrics, progress, extra) if flush else False
+        if due(state.step, cfg.save_every, last) or (stopping and cfg.save_every):
+            save_checkpoint(accelerator, cfg.out_dir, state, run.model_meta, cfg.keep_checkpoints, cfg.keep_best)
+        if stopping:
+            logger.info(f"stop requested: stopped after step {state.step}; resume with --resume auto")
+            break
+    progress.close()
+    stop.restore()
+    if state.step == cfg.max_steps:
+        save_final(cfg, accelerator, run, state)
+    accelerator.end_training()
+
+
+def train_step(run: Run, batches: Iterator, accelerator: Accelerator, cfg: TrainConfig) -> dict[str, Any]:
+    """One optimizer step: accumulate over micro-steps, clip, update. Returns device tensors (no host sync)."""
+    loss_sum = accumulate_gradients(run.model, batches, accelerator)
+    lr = run.scheduler.get_last_lr()[0]  # the rate this update uses
+    # Accelerate unscales and, under FSDP, reduces across shards; the norm is that of the mean gradient
+    # over the whole global batch because DDP has already averaged the ranks' gradients.
+    grad_norm = accelerator.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    loss = accelerator.reduce(loss_sum, "mean") / accelerator.gradient_accumulation_steps
+    return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+
+
+def accumulate_gradients(model: torch.nn.Module, batches: Iterator, accelerator: Accelerator) -> torch.Tensor:
+    """Forward/backward over this rank's micro-batches; gradients sync on the last one only.
+
+    The summed (detached) micro-batch losses stay on the device: reading them here would stall the GPU.
+    """
+    model.train()
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for _ in range(accelerator.gradient_accumulation_steps):
+        x, y = next(batches)
+        with accelerator.accumulate(model):
+            _, loss = model(x, y)
+            accelerator.backward(loss)  # divides by gradient_accumulation_steps itself: no scaling here
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def due(step: int, every: int, last: bool) -> bool:
+    """A periodic action fires every `every` steps and on the last step; `every == 0` turns it off."""
+    return every > 0 and (step % every == 0 or last)
+
+
+# ---------------------------------------------------------------------------------------------- build
+
+
+def build_accelerator(cfg: TrainConfig) -> Accelerator:
+    accelerator = make_accelerator(
+        log_with=resolve_trackers(cfg.log_with),
+        project_config=ProjectConfiguration(project_dir=cfg.out_dir, logging_dir=str(Path(cfg.out_dir) / "logs")),
+        # The schedule is a function of the optimizer step; a prepared scheduler would otherwise step
+        # once per process per optimizer step (FACTS.md).
+        step_scheduler_with_optimizer=False,
+        # The training stream is endless: syncing at the "end of the dataloader" must never trigger.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1, sync_with_dataloader=False),
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),
+        kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
+    )
+    accelerator.gradient_accumulation_steps = cfg.grad_accum_steps(accelerator.num_processes)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    if accelerator.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32)
+        torch.backends.cudnn.allow_tf32 = True
+    return accelerator
+
+
+def build_model(cfg: TrainConfig) -> GPT:
+    gpt_config = GPTConfig(**{name: getattr(cfg, name) for name in MODEL_FIELDS})
+    if cfg.init_from == "none":
+        model = GPT(gpt_config)
+    else:
+        from accel_gpt.hf import load_transformers_gpt2
+
+        model = load_transformers_gpt2(cfg.init_from, vocab_size=cfg.vocab_size)
+        for name in MODEL_FIELDS:
+            if getattr(model.config, name) != getattr(gpt_config, name):
+                raise ConfigError(
+                    f"init_from {cfg.init_from} has {name}={getattr(model.config, name)} but the config says "
+                    f"{getattr(gpt_config, name)}; set --{name} {getattr(model.config, name)}"
+                )
+    model.activation_checkpointing = cfg.activation_checkpointing
+    return model
+
+
+def build_dataloaders(
+    cfg: TrainConfig, accelerator: Accelerator
+) -> tuple[DataLoader, WindowSampler, DataLoader | None, dict]:
+    """Training stream and fixed validation windows; the manifest is checked against the model first."""
+    checksums = accelerator.is_local_main_process  # one reader per node hashes; every rank checks sizes
+    train_ds = train_windows(cfg.data_dir, cfg.seq_len, checksums=checksums)
+    check_vocab(train_ds.manifest, cfg.vocab_size, cfg.data_dir)
+    sampler = WindowSampler(len(train_ds), cfg.seed)
+    loader_kwargs = dict(
+        batch_size=cfg.micro_batch_size,
+        num_workers=cfg.num_workers,
+        pin_memory=accelerator.device.type == "cuda",
+        persistent_workers=cfg.num_workers > 0,
+    )
+    train_dl = DataLoader(train_ds, sampler=sampler, drop_last=True, **loader_kwargs)
+    val_dl = None
+    if cfg.eval_every > 0:
+        if "val" not in train_ds.manifest["splits"]:
+            raise ConfigError(
+                f"eval_every={cfg.eval_every} but {cfg.data_dir} has no 'val' shards; "
+                "prepare with --val_tokens N or set --eval_every 0"
+            )
+        val_ds = val_windows(cfg.data_dir, cfg.seq_len, cfg.eval_steps * cfg.micro_batch_size, checksums=checksums)
+        val_dl = DataLoader(val_ds, shuffle=False, **loader_kwargs)
+    return train_dl, sampler, val_dl, train_ds.manifest
+
+
+def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
+    set_seed(cfg.seed)  # the same initial weights on every rank and for any W
+    train_dl, sampler, val_dl, manifest = build_dataloaders(cfg, accelerator)
+    model = build_model(cfg)
+    flops_per_token = model.flops_per_token()
+    model_meta = {"model": model.config.to_dict(), "tokenizer": tokenizer_meta(manifest)}
+    optimizer = make_optimizer(model, cfg, accelerator.device.type)
+    scheduler = make_scheduler(optimizer, cfg)
+    if val_dl is None:
+        model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
+    else:
+        model, optimizer, train_dl, val_dl, scheduler = accelerator.prepare(
+            model, optimizer, train_dl, val_dl, scheduler
+        )
+    if cfg.compile:
+        model.compile()  # in place: state_dict keys stay those of the uncompiled model
+    examples = None
+    if cfg.hellaswag_every > 0:
+        from accel_gpt.evaluate.hellaswag import load_hellaswag
+
+        examples = load_hellaswag(cfg.hellaswag, limit=cfg.hellaswag_limit or None)
+    return Run(model, optimizer, scheduler, train_dl, sampler, val_dl, examples, model_meta, flops_per_token)
+
+
+def resume(cfg: TrainConfig, accelerator: Accelerator, state: TrainState, metrics: MetricsFile) -> None:
+    path = find_resume_checkpoint(cfg.resume, cfg.out_dir)
+    if path is None:
+        if cfg.resume == "auto":
+            logger.info("resume: auto found no complete checkpoint; starting from step 0")
+        return
+    load_checkpoint(accelerator, path, state, cfg.to_dict())
+    state.config = cfg.to_dict()
+    if accelerator.is_main_process:
+        metrics.truncate_after(state.step)  # steps after the checkpoint are recomputed and logged again
+
+
+def start_run(cfg: TrainConfig, accelerator: Accelerator) -> None:
+    """Run directory and trackers: written once, by the main process."""
+    if accelerator.is_main_process:
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+        save_config(cfg, Path(cfg.out_dir) / "config.yaml")
+    accelerator.init_trackers("accel_gpt", config=cfg.to_dict())
+    accelerator.wait_for_everyone()
+
+
+def describe(cfg: TrainConfig, accelerator: Accelerator, run: Run) -> str:
+    n_params = sum(p.numel() for p in accelerator.unwrap_model(run.model).parameters())
+    return (
+        f"{n_params / 1e6:.2f}M parameters | {accelerator.num_processes} process(es) on {accelerator.device.type} "
+        f"({accelerator.distributed_type}, mixed precision {accelerator.mixed_precision}) | "
+        f"global batch {cfg.total_batch_size:,} tokens = {accelerator.num_processes} x "
+        f"{accelerator.gradient_accumulation_steps} micro-steps x {cfg.micro_batch_size} x {cfg.seq_len}"
+    )
+
+
+# ----------------------------------------------------------------------------------- periodic actions
+
+
+def evaluate(run: Run, accelerator: Accelerator, cfg: TrainConfig, state: TrainState) -> dict[str, Any]:
+    from accel_gpt.evaluate.val_loss import evaluate_loss
+
+    val_loss = evaluate_loss(run.model, run.val_dl, accelerator)
+    state.last_val_loss = val_loss
+    state.best_val_loss = min(state.best_val_loss, val_loss)
+    row: dict[str, Any] = {"val_loss": val_loss}
+    if cfg.sample_tokens > 0:
+        from accel_gpt.artifacts import tokenizer_from_meta
+        from accel_gpt.sample import sample_text
+
+        tokenizer = tokenizer_from_meta(run.model_meta["tokenizer"])
+        text = sample_text(
+            run.model, tokenizer, cfg.sample_prompt, cfg.sample_tokens, 1.0, 50, cfg.seed, accelerator.device
+        )
+        logger.info(f"sample at step {state.step}: {text!r}")
+    return row
+
+
+def hellaswag(run: Run, accelerator: Accelerator, cfg: TrainConfig) -> dict[str, Any]:
+    from accel_gpt.evaluate.hellaswag import evaluate_hellaswag
+
+    result = evaluate_hellaswag(run.model, accelerator, run.hellaswag, batch_size=cfg.micro_batch_size)
+    return {"hellaswag_acc_norm": result["acc_norm"], "hellaswag_acc": result["acc"]}
+
+
+def save_final(cfg: TrainConfig, accelerator: Accelerator, run: Run, state: TrainState) -> None:
+    """Final weights in the run directory; every rank takes part in gathering them (FSDP)."""
+    state_dict = accelerator.get_state_dict(run.model)
+    if accelerator.is_main_process:
+        save_state_dict(state_dict, run.model_meta, Path(cfg.out_dir), state.step)
+        logger.info(f"final weights: {Path(cfg.out_dir) / 'model.safetensors'}")
+    accelerator.wait_for_everyone()
+
+
+# -------------------------------------------------------------------------------------------- logging
+
+
+class LogWindow:
+    """Steps since the last host sync. Their loss/grad-norm tensors are read in one go at `flush`, so the
+    GPU runs ahead between logs; throughput is averaged over the window's wall time."""
+
+    def __init__(self, cfg: TrainConfig, accelerator: Accelerator, run: Run, step: int) -> None:
+        self.cfg = cfg
+        self.accelerator = accelerator
+        self.flops_per_token = run.flops_per_token
+        self.peak = device_peak_flops(accelerator.device)
+        self.rows: list[dict[str, Any]] = []
+        self.stop = torch.zeros((), device=accelerator.device)
+        self.t0 = time.perf_counter()
+
+    def add(self, row: dict[str, Any], stop_requested: bool) -> None:
+        self.rows.append(row)
+        if stop_requested:
+            self.stop.fill_(1.0)
+
+    def flush(self, step: int, metrics: MetricsFile, progress: tqdm, extra: dict[str, Any]) -> bool:
+        """Write the window's rows (main process) and return whether any rank asked to stop."""
+        stop = self.accelerator.reduce(self.stop, "sum")
+        values = torch.stack([torch.stack([r["loss"], r["grad_norm"].float()]) for r in self.rows]).tolist()
+        elapsed = time.perf_counter() - self.t0
+        tokens_per_sec = len(self.rows) * self.cfg.total_batch_size / elapsed
+        flops_per_sec = tokens_per_sec * self.flops_per_token
+        mfu = flops_per_sec / (self.peak * self.accelerator.num_processes) if self.peak else None
+        first = step - len(self.rows) + 1
+        out = [
+            {
+                "step": first + i,
+                "loss": loss,
+                "lr": r["lr"],
+                "grad_norm": grad_norm,
+                "tokens_per_sec": tokens_per_sec,
+                "mfu": mfu,
+                "flops_per_sec": flops_per_sec,
+            }
+            for i, (r, (loss, grad_norm)) in enumerate(zip(self.rows, values, strict=True))
+        ]
+        out[-1].update(extra)
+        metrics.write(out)
+        for row in out:
+            self.accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=row["step"])
+        progress.update(len(out))
+        postfix = {"loss": f"{out[-1]['loss']:.4f}", "lr": f"{out[-1]['lr']:.2e}", "tok/s": f"{tokens_per_sec:,.0f}"}
+        if "val_loss" in extra:
+            postfix["val"] = f"{extra['val_loss']:.4f}"
+        progress.set_postfix(postfix, refresh=False)
+        self.rows = []
+        self.t0 = time.perf_counter()
+        return stop.item() > 0
+
+
+class StopSignal:
+    """SIGTERM/SIGINT ask the loop to finish the current step, save a checkpoint and exit cleanly."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
