@@ -297,6 +297,7 @@ def export(path: str | Path, out_dir: str | Path) -> Path:
         hf_model.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
         _write_vocab_and_merges(vocab, merges, stage)
+        _apply_umask(stage)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(stage, out)
@@ -304,6 +305,16 @@ def export(path: str | Path, out_dir: str | Path) -> Path:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return out
+
+
+def _apply_umask(folder: Path) -> None:
+    """Give the folder and its files the usual umask-based modes: mkdtemp makes the folder 0700 and
+    safetensors 0.8 writes its file 0600, which would hide an export meant to be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
 
 
 def _check_exportable(tokenizer_name: str, vocab_size: int, path: str | Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -194,6 +195,9 @@ def test_export_writes_a_complete_gpt2_folder(exported):
     assert config["activation_function"] == "gelu_new" and config["layer_norm_epsilon"] == 1e-3
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 50_256
     assert not [p for p in out.parent.iterdir() if ".tmp-" in p.name]  # the staging folder is gone
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # readable like any file
 
 
 def test_export_logits_match_and_padded_rows_are_dropped(exported):
