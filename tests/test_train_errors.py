@@ -1,0 +1,84 @@
+"""Bad input to `train`: one clear line, non-zero exit, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import python_cmd, run_cmd, write_token_shards
+
+from accel_gpt.cli import main
+
+TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--seq_len", "16", "--vocab_size", "512"]
+TINY += ["--micro_batch_size", "2", "--total_batch_size", "32", "--max_steps", "2", "--log_with", "none"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_token_shards(tmp_path_factory.mktemp("d") / "data", list(range(500)), list(range(100)), vocab_size=512)
+
+
+def _fails(capsys: pytest.CaptureFixture, out: Path, *args: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *args, "--out_dir", str(out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert not out.exists(), "a failed run must not write its out_dir"
+    return err
+
+
+def test_unknown_key(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> None:
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(data), "--warmup_step", "3")
+    assert "warmup_step" in err and "warmup_steps" in err
+
+
+def test_unknown_key_in_yaml(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> None:
+    (tmp_path / "c.yaml").write_text("n_embed: 64\n")
+    err = _fails(capsys, tmp_path / "o", "--config", str(tmp_path / "c.yaml"), *TINY, "--data_dir", str(data))
+    assert "n_embed" in err and "n_embd" in err
+
+
+def test_heads_must_divide_width(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> None:
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(data), "--n_head", "3")
+    assert "n_embd=16 must be divisible by n_head=3" in err
+
+
+def test_indivisible_batch(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> None:
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(data), "--total_batch_size", "40")
+    assert "total_batch_size=40" in err and "micro_batch_size*seq_len=32" in err
+
+
+def test_missing_data_dir(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    assert "data_dir is required" in _fails(capsys, tmp_path / "o", *TINY)
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(tmp_path / "nope"))
+    assert "does not exist" in err
+
+
+def test_missing_manifest(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    assert "no manifest.json" in _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(tmp_path / "empty"))
+
+
+def test_vocab_larger_than_model(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> None:
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(data), "--vocab_size", "256")
+    assert "vocabulary of 512 tokens" in err and "vocab_size is 256" in err
+
+
+def test_dtype_mismatch_and_truncated_shard(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    bad = write_token_shards(tmp_path / "bad", list(range(500)), vocab_size=512)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "dtype": "uint32"}))
+    assert "dtype uint32 does not fit vocab_size 512" in _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(bad))
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    shard = bad / "train_000000.bin"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert "truncated" in _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(bad))
+
+
+def test_cli_exit_has_no_traceback(tmp_path: Path) -> None:
+    proc = run_cmd(python_cmd("train", *TINY, "--data_dir", str(tmp_path / "nope")), check=False, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: data_dir")
