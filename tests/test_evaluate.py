@@ -1,0 +1,372 @@
+"""HellaSwag and validation loss: hand-worked scoring, exactness under W = 1, 2, 3, input errors.
+
+The launched runs are made once per module (`launches`) and shared by several tests, because each
+`accelerate launch` spends seconds on imports.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO, accelerate_cmd, python_cmd, run_cmd
+
+from accel_gpt.artifacts import load_model, save_model
+from accel_gpt.data.loader import val_windows
+from accel_gpt.data.shards import write_manifest, write_shard
+from accel_gpt.errors import UserError
+from accel_gpt.evaluate.hellaswag import HellaSwagTokens, candidate_losses, collate, load_hellaswag
+from accel_gpt.model import GPT, GPTConfig
+from accel_gpt.tokenizer import GPT2Tokenizer
+
+TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=64, vocab_size=50304)
+WORLD_SIZES = (1, 2, 3)
+BATCH = 2  # examples (HellaSwag) or windows (val loss) per forward pass: 7 examples leave uneven shards
+EVAL_STEPS = 5  # 10 validation windows: uneven for W=3 too
+
+
+def hs_row(ind: int, ctx: str, endings: list[str], label: int) -> dict:
+    """A row in the original release layout."""
+    return {
+        "ind": ind,
+        "activity_label": "Testing",
+        "ctx_a": ctx,
+        "ctx_b": "",
+        "ctx": ctx,
+        "split": "val",
+        "split_type": "indomain",
+        "label": label,
+        "endings": endings,
+        "source_id": f"test~{ind}",
+    }
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+SEVEN = [
+    hs_row(100, "A man is sitting on a roof. he", ["is using wrap.", "rips tiles off.", "holds a cube.", "starts."], 3),
+    hs_row(
+        101, "A lady walks to a barbell. She", ["swings.", "pulls the barbell forward slowly.", "sits.", "lifts it."], 1
+    ),
+    # longer than seq_len=64 tokens: the rightmost tokens are kept
+    hs_row(102, "word " * 90 + "and then", ["they stop.", "it rains all day long.", "a dog barks.", "nothing."], 0),
+    hs_row(103, "The chef slices onions.", ["He cries.", "She cooks them in a pan.", "They fly.", "It ends."], 1),
+    hs_row(104, "Kids play in the snow.", ["They build a snowman.", "It melts.", "A car.", "Yes."], 0),
+    hs_row(105, "A dog runs on the beach.", ["It swims.", "The dog catches a frisbee.", "Sand.", "He sleeps."], 2),
+    hs_row(106, "Someone paints a wall.", ["The wall turns blue.", "Paint drips.", "Done.", "They leave the room."], 3),
+]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("evaluate")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(workdir: Path) -> Path:
+    torch.manual_seed(0)
+    save_model(GPT(TINY), workdir / "tiny", {"name": "gpt2"}, step=0)
+    return workdir / "tiny"
+
+
+@pytest.fixture(scope="module")
+def seven_path(workdir: Path) -> Path:
+    return write_jsonl(workdir / "seven.jsonl", SEVEN)
+
+
+@pytest.fixture(scope="module")
+def val_data(workdir: Path) -> Path:
+    data = workdir / "data"
+    data.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 50257, size=12 * TINY.seq_len + 1).astype(np.uint16)
+    entry = write_shard(data, "val", 0, tokens)
+    write_manifest(data, {"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256, "dtype": "uint16",
+                          "splits": {"val": [entry]}})  # fmt: skip
+    return data
+
+
+WORKER = '''
+"""Trainer-style use on every rank: a DDP-wrapped model through the public evaluation functions."""
+import json, sys
+from pathlib import Path
+from torch.utils.data import DataLoader
+from accel_gpt.artifacts import load_model
+from accel_gpt.data.loader import val_windows
+from accel_gpt.distributed import make_accelerator
+from accel_gpt.evaluate import evaluate_hellaswag, evaluate_loss, load_hellaswag
+from accel_gpt.sample import sample_text
+
+checkpoint, hellaswag, data_dir, out, batch, eval_steps = sys.argv[1:]
+accelerator = make_accelerator()
+model, tokenizer, _ = load_model(checkpoint)
+model.train()
+val_dl = DataLoader(val_windows(data_dir, model.config.seq_len, int(eval_steps) * int(batch)), batch_size=int(batch))
+model, val_dl = accelerator.prepare(model, val_dl)
+row = evaluate_hellaswag(model, accelerator, load_hellaswag(hellaswag), int(batch))
+row["val_loss"] = evaluate_loss(model, val_dl, accelerator)
+row["text"] = sample_text(model, tokenizer, "Hello", 8, 1.0, 50, 3, accelerator.device)
+row.update(num_processes=accelerator.num_processes, wrapper=type(model).__name__, training=model.training)
+row["datasets_imported"] = "datasets" in sys.modules  # the training path must run without it
+Path(out, f"rank{accelerator.process_index}.json").write_text(json.dumps(row))
+'''
+
+
+@pytest.fixture(scope="module")
+def launches(workdir: Path, tiny_checkpoint: Path, seven_path: Path, val_data: Path) -> dict:
+    """`run.py eval` under W = 1, 2, 3 plus the DDP worker under W = 2, launched side by side."""
+    common = ["--checkpoint", str(tiny_checkpoint), "--hellaswag", str(seven_path), "--batch_size", str(BATCH)]
+    common += ["--data_dir", str(val_data), "--eval_steps", str(EVAL_STEPS)]
+    jobs = {W: accelerate_cmd(W, "eval", *common, "--out", str(workdir / f"preds_w{W}.jsonl")) for W in WORLD_SIZES}
+    worker, worker_out = workdir / "worker.py", workdir / "worker_out"
+    worker.write_text(WORKER)
+    worker_out.mkdir()
+    cmd = accelerate_cmd(2)
+    cmd[cmd.index("run.py")] = str(worker)
+    jobs["ddp"] = [*cmd, str(tiny_checkpoint), str(seven_path), str(val_data), str(worker_out), str(BATCH),
+                   str(EVAL_STEPS)]  # fmt: skip
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        procs = dict(zip(jobs, pool.map(lambda c: run_cmd(c, PYTHONPATH=str(REPO)), jobs.values()), strict=True))
+    results = {}
+    for W in WORLD_SIZES:
+        printed = [line for line in procs[W].stdout.splitlines() if line.startswith("{")]
+        assert len(printed) == 1, f"W={W} printed {len(printed)} JSON objects:\n{procs[W].stdout}"
+        preds = [json.loads(line) for line in (workdir / f"preds_w{W}.jsonl").read_text().splitlines()]
+        results[W] = (json.loads(printed[0]), preds)
+    results["ddp"] = [json.loads((worker_out / f"rank{r}.json").read_text()) for r in range(2)]
+    return results
+
+
+# ------------------------------------------------------------------------------ hand-built scoring case
+
+
+def hand_model(L_target: float = 12.0) -> tuple[GPT, float]:
+    """A GPT whose next-token logits are set by hand: a bigram table over two tokens, " dog" and " cat".
+
+    Every block's output projection is zero and the position embeddings are zero, so the residual
+    stream is just wte[token] and logits = ln_f(wte[a]) @ wte.T. " dog" and " cat" get s * (two
+    orthogonal zero-mean +-1 Hadamard rows); every other row is zero. Hence after " dog" the logit of
+    " dog" is L = 32 s^2 / sqrt(s^2 + eps) and every other logit 0 (likewise for " cat"), and after any
+    other token all logits are 0 (LayerNorm of a zero vector is zero).
+    """
+    model = GPT(TINY)
+    hadamard = torch.ones(1, 1)
+    while hadamard.size(0) < TINY.n_embd:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)])
+    s = math.sqrt(L_target / TINY.n_embd)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.transformer.ln_f.weight.fill_(1.0)
+        model.transformer.wte.weight[DOG] = s * hadamard[1]
+        model.transformer.wte.weight[CAT] = s * hadamard[2]
+    L = TINY.n_embd * s * s / math.sqrt(s * s + TINY.layer_norm_eps)
+    return model.eval(), L
+
+
+DOG, CAT = 3290, 3797  # " dog", " cat" in tiktoken gpt2 (asserted below)
+HAND = [
+    # the context ends in a token with zero logits; ending 1 is long but cheap after its first token
+    hs_row(7, "A man walks", ["cat", "dog dog dog", "cat dog", "dog cat"], 1),
+    # the context ends in " dog": ending 0 repeats it and wins on both measures
+    hs_row(8, "A boy pets the dog", ["dog", "cat", "the cat", "cat cat"], 0),
+]
+
+
+def hand_expected(L: float) -> list[tuple[list[float], list[float]]]:
+    """Per example: (summed, mean) ending losses of the four candidates, worked out from L alone."""
+    V = TINY.vocab_size
+    u = math.log(V)  # after a token with all-zero logits: uniform
+    h = math.log(1 + (V - 1) * math.exp(-L))  # " dog" after " dog" (or " cat" after " cat")
+    m = math.log(math.exp(L) + V - 1)  # any other token after " dog" / " cat"
+    token_losses = [
+        [[u], [u, h, h], [u, m], [u, m]],
+        [[h], [m], [m, u], [m, h]],
+    ]
+    return [([sum(c) for c in ex], [sum(c) / len(c) for c in ex]) for ex in token_losses]
+
+
+def test_hand_built_losses_and_choices_match_worked_values(tmp_path: Path) -> None:
+    enc = GPT2Tokenizer()
+    assert enc.encode(" dog dog dog") == [DOG] * 3 and enc.encode(" cat dog") == [CAT, DOG]
+    assert enc.encode("A boy pets the dog")[-1] == DOG and enc.encode("A man walks")[-1] not in (DOG, CAT)
+    model, L = hand_model()
+    examples = load_hellaswag(str(write_jsonl(tmp_path / "hand.jsonl", HAND)))
+    batch = collate([HellaSwagTokens(examples, enc, TINY.seq_len)[i] for i in range(2)], TINY.seq_len)
+    total, mean = candidate_losses(model, batch["tokens"], batch["mask"])
+    for k, (sums, means) in enumerate(hand_expected(L)):
+        assert total[4 * k : 4 * k + 4].tolist() == pytest.approx(sums, abs=2e-4)
+        assert mean[4 * k : 4 * k + 4].tolist() == pytest.approx(means, abs=2e-4)
+    (sums0, means0), (sums1, means1) = hand_expected(L)
+    # worked out: example 0's shortest ending has the lowest sum (u < u + 2h) but ending 1 the lowest
+    # mean ((u + 2h) / 3 < u); in example 1 ending 0 (loss h) wins both.
+    assert (int(np.argmin(sums0)), int(np.argmin(means0))) == (0, 1)
+    assert (int(np.argmin(sums1)), int(np.argmin(means1))) == (0, 0)
+
+
+def test_hand_built_case_through_run_eval(workdir: Path) -> None:
+    """The 2-example case end to end: labels (1, 0); acc_norm gets both, acc only the second."""
+    model, _ = hand_model()
+    save_model(model, workdir / "hand", {"name": "gpt2"}, step=0)
+    src = write_jsonl(workdir / "hand.jsonl", HAND)
+    out = workdir / "hand_preds.jsonl"
+    proc = run_cmd(
+        python_cmd("eval", "--checkpoint", str(workdir / "hand"), "--hellaswag", str(src), "--out", str(out))
+    )
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"acc_norm": 1.0, "acc": 0.5, "correct_norm": 2, "correct": 1, "total": 2, "num_processes": 1}
+    preds = [json.loads(line) for line in out.read_text().splitlines()]
+    assert preds == [
+        {"ind": 7, "label": 1, "pred_norm": 1, "pred_sum": 0},
+        {"ind": 8, "label": 0, "pred_norm": 0, "pred_sum": 0},
+    ]
+
+
+# ------------------------------------------------------------------------------ world-size invariance
+
+
+def test_hellaswag_counts_and_predictions_identical_for_w_1_2_3(launches: dict) -> None:
+    for W in WORLD_SIZES:
+        assert launches[W][0]["num_processes"] == W, f"W={W} did not form one {W}-process group"
+        assert launches[W][0]["total"] == len(SEVEN)
+    keys = ("acc_norm", "acc", "correct_norm", "correct", "total")
+    assert {W: tuple(launches[W][0][k] for k in keys) for W in WORLD_SIZES} == {
+        W: tuple(launches[1][0][k] for k in keys) for W in WORLD_SIZES
+    }
+    assert launches[2][1] == launches[1][1] and launches[3][1] == launches[1][1]
+    assert [p["ind"] for p in launches[1][1]] == [r["ind"] for r in SEVEN]
+    assert [p["label"] for p in launches[1][1]] == [r["label"] for r in SEVEN]
+
+
+def test_predictions_match_unbatched_unpadded_reference(launches: dict, tiny_checkpoint: Path) -> None:
+    """Each candidate scored alone (no padding, no batch, truncation written out here) picks the same."""
+    model, _, _ = load_model(tiny_checkpoint)
+    enc = GPT2Tokenizer()
+    expected = []
+    for row in SEVEN:
+        ctx = enc.encode(row["ctx"])
+        sums, means = [], []
+        for ending in row["endings"]:
+            end = enc.encode(" " + ending)
+            ids = torch.tensor((ctx + end)[-TINY.seq_len :])
+            n = len(end)
+            with torch.no_grad():
+                logp = F.log_softmax(model(ids[None])[0][0].double(), dim=-1)
+            losses = [-logp[t - 1, ids[t]].item() for t in range(len(ids) - n, len(ids))]
+            sums.append(sum(losses))
+            means.append(sum(losses) / n)
+        expected.append((int(np.argmin(means)), int(np.argmin(sums))))
+    assert [(p["pred_norm"], p["pred_sum"]) for p in launches[1][1]] == expected
+
+
+def test_val_loss_identical_for_w_1_2_3_and_correct(launches: dict, tiny_checkpoint: Path, val_data: Path) -> None:
+    model, _, _ = load_model(tiny_checkpoint)
+    windows = val_windows(val_data, TINY.seq_len, EVAL_STEPS * BATCH)
+    with torch.no_grad():
+        reference = np.mean([model(x[None], y[None])[1].item() for x, y in windows])
+    for W in WORLD_SIZES:
+        assert launches[W][0]["val_loss"] == pytest.approx(launches[1][0]["val_loss"], abs=1e-6)
+    assert launches[1][0]["val_loss"] == pytest.approx(reference, abs=1e-5)
+
+
+def test_trainer_style_ddp_model_on_every_rank(launches: dict) -> None:
+    """Prepared (DDP) model, evaluated on both ranks: same metrics as the CLI, same sample, mode kept,
+    and `datasets` never imported on this path (only the hub branch of the loader needs it)."""
+    ranks = launches["ddp"]
+    cli = launches[1][0]
+    for row in ranks:
+        assert row["num_processes"] == 2
+        assert row["wrapper"] == "DistributedDataParallel" and row["training"] is True
+        for key in ("acc_norm", "acc", "correct_norm", "correct", "total"):
+            assert row[key] == cli[key]
+        assert row["val_loss"] == pytest.approx(cli["val_loss"], abs=1e-6)
+    assert not any(row["datasets_imported"] for row in ranks)
+    assert ranks[0]["text"] == ranks[1]["text"]
+    assert ranks[0]["text"].startswith("Hello") and len(ranks[0]["text"]) > len("Hello")
+
+
+# ------------------------------------------------------------------------------ loading and input errors
+
+
+def test_loads_original_format_with_limit_blank_lines_and_hub_style_labels(tmp_path: Path) -> None:
+    rows = [hs_row(5, "c0", ["a", "b", "c", "d"], 2), hs_row(6, "c1", ["a", "b", "c", "d"], 0)]
+    rows[1]["label"] = "3"  # the hub dataset stores labels as strings
+    path = tmp_path / "hs.jsonl"
+    path.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
+    examples = load_hellaswag(str(path))
+    assert [(e.ind, e.ctx, e.label) for e in examples] == [(5, "c0", 2), (6, "c1", 3)]
+    assert examples[0].endings == ("a", "b", "c", "d")
+    assert len(load_hellaswag(str(path), limit=1)) == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "line 2: not valid JSON"),
+        (json.dumps([1, 2]), "line 2: expected a JSON object"),
+        (json.dumps({"ctx": "x", "label": 0, "ending": ["a", "b", "c", "d"]}), "line 2: missing field(s) endings"),
+        (json.dumps(hs_row(1, "x", ["a", "b", "c"], 0)), "line 2: 'endings' must be a list of 4 strings, got 3 items"),
+        (json.dumps(hs_row(1, "x", ["a", "b", "c", 4], 0)), "line 2: 'endings' must be a list of 4 strings"),
+        (json.dumps(hs_row(1, "x", ["a", "b", "c", "d"], 4)), "line 2: 'label' must be an integer 0-3, got 4"),
+        (json.dumps(hs_row(1, "x", ["a", "b", "c", "d"], "")), "line 2: 'label' must be an integer 0-3, got ''"),
+        (json.dumps({**hs_row(1, "x", ["a", "b", "c", "d"], 0), "ctx": 7}), "line 2: 'ctx' must be a string"),
+    ],
+)
+def test_malformed_rows_name_the_line_and_the_problem(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(hs_row(0, "ok", ["a", "b", "c", "d"], 0)) + "\n" + line + "\n")
+    with pytest.raises(UserError) as err:
+        load_hellaswag(str(path))
+    assert f"{path} {message}" in str(err.value)
+
+
+def test_bad_file_through_the_cli_is_one_line_and_exit_2(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    bad = write_jsonl(tmp_path / "bad.jsonl", [hs_row(0, "ok", ["a", "b", "c", "d"], 0), {"ctx": "x"}])
+    out = tmp_path / "preds.jsonl"
+    out.write_text("earlier output\n")
+    cmd = python_cmd("eval", "--checkpoint", str(tiny_checkpoint), "--hellaswag", str(bad), "--out", str(out))
+    proc = run_cmd(cmd, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {bad} line 2: missing field(s) endings, label (expected ctx, endings, label)"
+    ]
+    assert out.read_text() == "earlier output\n"
+
+
+def test_url_source_and_unreachable_url(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "hs.jsonl", SEVEN[:3])
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(tmp_path), **kwargs)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert [e.ind for e in load_hellaswag(f"{base}/hs.jsonl")] == [100, 101, 102]
+        with pytest.raises(UserError, match="cannot read HellaSwag from .*missing.jsonl"):
+            load_hellaswag(f"{base}/missing.jsonl")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_missing_file_and_offline_hub_are_user_errors(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="is not a jsonl file"):
+        load_hellaswag(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(UserError, match="cannot load the validation split of hub dataset 'Rowan/hellaswag'"):
+        load_hellaswag("Rowan/hellaswag")  # HF_DATASETS_OFFLINE=1 and nothing cached
