@@ -14,6 +14,7 @@ them can be pointed at with `--checkpoint`. A transformers GPT-2 folder or hub i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,14 @@ def save_state_dict(state_dict: dict[str, torch.Tensor], meta: dict[str, Any], o
     }
     state.pop("lm_head.weight", None)
     save_file(state, str(out_dir / WEIGHTS))
+    (out_dir / WEIGHTS).chmod(0o666 & ~_umask())  # safetensors creates the file 0600
     (out_dir / MODEL_CONFIG).write_text(json.dumps({**meta, "step": step}, indent=2))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Tokenizer, dict[str, Any]]:

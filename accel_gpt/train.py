@@ -238,12 +238,28 @@ def resume(cfg: TrainConfig, accelerator: Accelerator, state: TrainState, metric
 
 
 def start_run(cfg: TrainConfig, accelerator: Accelerator) -> None:
-    """Run directory and trackers: written once, by the main process."""
+    """Run directory and trackers, written once by the main process: the resolved config, and the
+    `accelerate env` report (versions, devices, launch config) that a bug report needs."""
     if accelerator.is_main_process:
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-        save_config(cfg, Path(cfg.out_dir) / "config.yaml")
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+        (out / "accelerate_env.txt").write_text(accelerate_env_report())
     accelerator.init_trackers("accel_gpt", config=cfg.to_dict())
     accelerator.wait_for_everyone()
+
+
+def accelerate_env_report() -> str:
+    import argparse
+    import contextlib
+    import io
+
+    from accelerate.commands.env import env_command
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        env_command(argparse.Namespace(config_file=None))
+    return buffer.getvalue()
 
 
 def describe(cfg: TrainConfig, accelerator: Accelerator, run: Run) -> str:
