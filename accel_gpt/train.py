@@ -71,6 +71,7 @@ def train(cfg: TrainConfig) -> None:
     logger.info(describe(cfg, accelerator, run))
 
     stop = StopSignal()
+    started = time.perf_counter()
     progress = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, unit="step")
     window = LogWindow(cfg, accelerator, run, state.step)
     while state.step < cfg.max_steps:
@@ -95,6 +96,7 @@ def train(cfg: TrainConfig) -> None:
     stop.restore()
     if state.step == cfg.max_steps:
         save_final(cfg, accelerator, run, state)
+    logger.info(summary(cfg, state, window.last_row, time.perf_counter() - started))
     accelerator.end_training()
 
 
@@ -313,6 +315,16 @@ def save_final(cfg: TrainConfig, accelerator: Accelerator, run: Run, state: Trai
 # -------------------------------------------------------------------------------------------- logging
 
 
+def summary(cfg: TrainConfig, state: TrainState, last_row: dict[str, Any], seconds: float) -> str:
+    losses = f"final loss {last_row['loss']:.4f}" if last_row else "no step taken"
+    if not math.isnan(state.last_val_loss):
+        losses += f", last val_loss {state.last_val_loss:.4f}"
+    return (
+        f"finished at step {state.step}/{cfg.max_steps} in {seconds / 60:.1f} min, {state.tokens_seen:,} tokens seen; "
+        f"{losses}; run dir {cfg.out_dir} (metrics.jsonl, config.yaml, checkpoints/, model.safetensors)"
+    )
+
+
 class LogWindow:
     """Steps since the last host sync. Their loss/grad-norm tensors are read in one go at `flush`, so the
     GPU runs ahead between logs; throughput is averaged over the window's wall time."""
@@ -323,6 +335,7 @@ class LogWindow:
         self.flops_per_token = run.flops_per_token
         self.peak = device_peak_flops(accelerator.device)
         self.rows: list[dict[str, Any]] = []
+        self.last_row: dict[str, Any] = {}
         self.stop = torch.zeros((), device=accelerator.device)
         self.t0 = time.perf_counter()
 
@@ -353,6 +366,7 @@ class LogWindow:
             for i, (r, (loss, grad_norm)) in enumerate(zip(self.rows, values, strict=True))
         ]
         out[-1].update(extra)
+        self.last_row = out[-1]
         metrics.write(out)
         for row in out:
             self.accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=row["step"])
