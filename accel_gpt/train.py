@@ -30,7 +30,7 @@ from accelerate.utils import (
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from accel_gpt.artifacts import save_state_dict, tokenizer_meta
+from accel_gpt.artifacts import save_state_dict, tokenizer_from_meta, tokenizer_meta
 from accel_gpt.checkpoint import TrainState, find_resume_checkpoint, load_checkpoint, save_checkpoint
 from accel_gpt.config import MODEL_FIELDS, TrainConfig, save_config
 from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows, val_windows
@@ -39,6 +39,7 @@ from accel_gpt.errors import ConfigError
 from accel_gpt.metrics import MetricsFile, device_peak_flops, resolve_trackers
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
+from accel_gpt.tokenizer import Tokenizer
 
 logger = get_logger(__name__)
 
@@ -56,6 +57,7 @@ class Run:
     hellaswag: list | None
     model_meta: dict[str, Any]  # model shape + tokenizer, written beside every saved set of weights
     flops_per_token: int
+    tokenizer: Tokenizer | None  # for samples at eval time; built up front so a missing BPE file fails fast
 
 
 def train(cfg: TrainConfig) -> None:
@@ -80,15 +82,19 @@ def train(cfg: TrainConfig) -> None:
         state.tokens_seen += cfg.total_batch_size
         state.data_position += cfg.windows_per_step
         last = state.step == cfg.max_steps
-        extra: dict[str, Any] = {}
-        if due(state.step, cfg.eval_every, last) and run.val_dl is not None:
-            extra |= evaluate(run, accelerator, cfg, state)
-        if due(state.step, cfg.hellaswag_every, last) and run.hellaswag:
-            extra |= hellaswag(run, accelerator, cfg)
-        flush = last or extra or state.step % cfg.log_every == 0
-        stopping = window.flush(state.step, metrics, progress, extra) if flush else False
+        run_eval = due(state.step, cfg.eval_every, last) and run.val_dl is not None
+        run_hellaswag = due(state.step, cfg.hellaswag_every, last) and bool(run.hellaswag)
+        stopping = False
+        if last or run_eval or run_hellaswag or state.step % cfg.log_every == 0:
+            rows, stopping = window.collect(state.step)  # the one host sync; the window's timing ends here
+            if run_eval:
+                rows[-1] |= evaluate(run, accelerator, cfg, state)
+            if run_hellaswag:
+                rows[-1] |= hellaswag(run, accelerator, cfg)
+            window.write(rows, metrics, progress)
         if due(state.step, cfg.save_every, last) or (stopping and cfg.save_every):
             save_checkpoint(accelerator, cfg.out_dir, state, run.model_meta, cfg.keep_checkpoints, cfg.keep_best)
+            window.restart_clock()  # saving time is not training throughput
         if stopping:
             logger.info(f"stop requested: stopped after step {state.step}; resume with --resume auto")
             break
@@ -224,7 +230,8 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
         from accel_gpt.evaluate.hellaswag import load_hellaswag
 
         examples = load_hellaswag(cfg.hellaswag, limit=cfg.hellaswag_limit or None)
-    return Run(model, optimizer, scheduler, train_dl, sampler, val_dl, examples, model_meta, flops_per_token)
+    tokenizer = tokenizer_from_meta(model_meta["tokenizer"]) if cfg.sample_tokens and val_dl is not None else None
+    return Run(model, optimizer, scheduler, train_dl, sampler, val_dl, examples, model_meta, flops_per_token, tokenizer)
 
 
 def resume(cfg: TrainConfig, accelerator: Accelerator, state: TrainState, metrics: MetricsFile) -> None:
@@ -284,13 +291,11 @@ def evaluate(run: Run, accelerator: Accelerator, cfg: TrainConfig, state: TrainS
     state.last_val_loss = val_loss
     state.best_val_loss = min(state.best_val_loss, val_loss)
     row: dict[str, Any] = {"val_loss": val_loss}
-    if cfg.sample_tokens > 0:
-        from accel_gpt.artifacts import tokenizer_from_meta
+    if run.tokenizer is not None:
         from accel_gpt.sample import sample_text
 
-        tokenizer = tokenizer_from_meta(run.model_meta["tokenizer"])
         text = sample_text(
-            run.model, tokenizer, cfg.sample_prompt, cfg.sample_tokens, 1.0, 50, cfg.seed, accelerator.device
+            run.model, run.tokenizer, cfg.sample_prompt, cfg.sample_tokens, 1.0, 50, cfg.seed, accelerator.device
         )
         logger.info(f"sample at step {state.step}: {text!r}")
     return row
@@ -326,7 +331,7 @@ def summary(cfg: TrainConfig, state: TrainState, last_row: dict[str, Any], secon
 
 
 class LogWindow:
-    """Steps since the last host sync. Their loss/grad-norm tensors are read in one go at `flush`, so the
+    """Steps since the last host sync. Their loss/grad-norm tensors are read in one go at `collect`, so the
     GPU runs ahead between logs; throughput is averaged over the window's wall time."""
 
     def __init__(self, cfg: TrainConfig, accelerator: Accelerator, run: Run, step: int) -> None:
@@ -344,16 +349,15 @@ class LogWindow:
         if stop_requested:
             self.stop.fill_(1.0)
 
-    def flush(self, step: int, metrics: MetricsFile, progress: tqdm, extra: dict[str, Any]) -> bool:
-        """Write the window's rows (main process) and return whether any rank asked to stop."""
+    def collect(self, step: int) -> tuple[list[dict[str, Any]], bool]:
+        """Read the window's values from the device (one sync); also whether any rank asked to stop."""
         stop = self.accelerator.reduce(self.stop, "sum")
         values = torch.stack([torch.stack([r["loss"], r["grad_norm"].float()]) for r in self.rows]).tolist()
-        elapsed = time.perf_counter() - self.t0
-        tokens_per_sec = len(self.rows) * self.cfg.total_batch_size / elapsed
+        tokens_per_sec = len(self.rows) * self.cfg.total_batch_size / (time.perf_counter() - self.t0)
         flops_per_sec = tokens_per_sec * self.flops_per_token
         mfu = flops_per_sec / (self.peak * self.accelerator.num_processes) if self.peak else None
         first = step - len(self.rows) + 1
-        out = [
+        rows = [
             {
                 "step": first + i,
                 "loss": loss,
@@ -365,19 +369,25 @@ class LogWindow:
             }
             for i, (r, (loss, grad_norm)) in enumerate(zip(self.rows, values, strict=True))
         ]
-        out[-1].update(extra)
-        self.last_row = out[-1]
-        metrics.write(out)
-        for row in out:
-            self.accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=row["step"])
-        progress.update(len(out))
-        postfix = {"loss": f"{out[-1]['loss']:.4f}", "lr": f"{out[-1]['lr']:.2e}", "tok/s": f"{tokens_per_sec:,.0f}"}
-        if "val_loss" in extra:
-            postfix["val"] = f"{extra['val_loss']:.4f}"
-        progress.set_postfix(postfix, refresh=False)
         self.rows = []
+        return rows, stop.item() > 0
+
+    def write(self, rows: list[dict[str, Any]], metrics: MetricsFile, progress: tqdm) -> None:
+        """metrics.jsonl and trackers (main process), the progress bar; then the next window starts."""
+        self.last_row = rows[-1]
+        metrics.write(rows)
+        for row in rows:
+            self.accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=row["step"])
+        progress.update(len(rows))
+        last = rows[-1]
+        postfix = {"loss": f"{last['loss']:.4f}", "lr": f"{last['lr']:.2e}", "tok/s": f"{last['tokens_per_sec']:,.0f}"}
+        if "val_loss" in last:
+            postfix["val"] = f"{last['val_loss']:.4f}"
+        progress.set_postfix(postfix, refresh=False)
+        self.restart_clock()  # evaluation time stays out of the next window's throughput
+
+    def restart_clock(self) -> None:
         self.t0 = time.perf_counter()
-        return stop.item() > 0
 
 
 class StopSignal:
