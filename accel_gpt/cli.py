@@ -77,7 +77,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hellaswag", default=None, help="HellaSwag source: jsonl path/URL or hub id (Rowan/hellaswag)")
     p.add_argument("--limit", type=int, default=None, help="score only the first N HellaSwag examples")
     p.add_argument("--data_dir", default=None, help="token shards whose 'val' split gives the validation loss")
-    p.add_argument("--eval_steps", type=int, default=20, help="validation batches per rank (default: 20)")
+    p.add_argument(
+        "--eval_steps",
+        type=int,
+        default=20,
+        help="validation batches of --batch_size windows, shared out over the ranks (default: 20)",
+    )
     p.add_argument("--batch_size", type=int, default=8, help="sequences (or HellaSwag examples) per forward pass")
     p.add_argument("--out", default=None, help="write one jsonl line per HellaSwag example here")
     p.set_defaults(run=lambda a: _call("accel_gpt.evaluate", "run_eval", a))

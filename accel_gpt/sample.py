@@ -14,10 +14,26 @@ from __future__ import annotations
 import argparse
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 
 from accel_gpt.errors import UserError
+from accel_gpt.model import GPTConfig
 from accel_gpt.tokenizer import Tokenizer
+
+
+def gpt_config(model: torch.nn.Module) -> GPTConfig:
+    """The GPTConfig under any wrapper: DDP/FSDP (`.module`) or `torch.compile` (`._orig_mod`).
+
+    accelerate's `extract_model_from_parallel` would do it too, but imports `torch._dynamo` on its first
+    call: about 2.5 s of CPU in every process of a short `eval` or `sample` run.
+    """
+    inner: torch.nn.Module | None = model
+    while inner is not None:
+        config = getattr(inner, "config", None)
+        if isinstance(config, GPTConfig):
+            return config
+        wrapped = getattr(inner, "module", None)
+        inner = wrapped if wrapped is not None else getattr(inner, "_orig_mod", None)
+    raise TypeError(f"{type(model).__name__} does not wrap an accel_gpt GPT")
 
 
 @torch.no_grad()
@@ -34,7 +50,7 @@ def generate(
     `generator` (on the same device as `idx`) makes the draws reproducible; `top_k` None or 0 keeps
     the whole vocabulary. The caller sets eval mode (`sample_text` does).
     """
-    seq_len = extract_model_from_parallel(model).config.seq_len
+    seq_len = gpt_config(model).seq_len
     for _ in range(max_new_tokens):
         logits, _ = model(idx[:, -seq_len:])  # the model sees at most its context window
         logits = logits[:, -1, :].float()  # (B, V)

@@ -23,7 +23,7 @@ from accel_gpt.artifacts import load_model, save_model
 from accel_gpt.data.loader import val_windows
 from accel_gpt.data.shards import write_manifest, write_shard
 from accel_gpt.errors import UserError
-from accel_gpt.evaluate.hellaswag import HellaSwagTokens, candidate_losses, collate, load_hellaswag
+from accel_gpt.evaluate.hellaswag import HellaSwagTokens, candidate_losses, choose, collate, load_hellaswag
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.tokenizer import GPT2Tokenizer
 
@@ -99,6 +99,7 @@ def val_data(workdir: Path) -> Path:
 WORKER = '''
 """Trainer-style use on every rank: a DDP-wrapped model through the public evaluation functions."""
 import json, sys
+sys.modules["datasets"] = None  # as if `datasets` were not installed: training must not need it
 from pathlib import Path
 from torch.utils.data import DataLoader
 from accel_gpt.artifacts import load_model
@@ -117,7 +118,6 @@ row = evaluate_hellaswag(model, accelerator, load_hellaswag(hellaswag), int(batc
 row["val_loss"] = evaluate_loss(model, val_dl, accelerator)
 row["text"] = sample_text(model, tokenizer, "Hello", 8, 1.0, 50, 3, accelerator.device)
 row.update(num_processes=accelerator.num_processes, wrapper=type(model).__name__, training=model.training)
-row["datasets_imported"] = "datasets" in sys.modules  # the training path must run without it
 Path(out, f"rank{accelerator.process_index}.json").write_text(json.dumps(row))
 '''
 
@@ -207,6 +207,8 @@ def test_hand_built_losses_and_choices_match_worked_values(tmp_path: Path) -> No
     for k, (sums, means) in enumerate(hand_expected(L)):
         assert total[4 * k : 4 * k + 4].tolist() == pytest.approx(sums, abs=2e-4)
         assert mean[4 * k : 4 * k + 4].tolist() == pytest.approx(means, abs=2e-4)
+    pred_norm, pred_sum = choose(total, mean)
+    assert pred_norm.tolist() == [1, 0] and pred_sum.tolist() == [0, 0]
     (sums0, means0), (sums1, means1) = hand_expected(L)
     # worked out: example 0's shortest ending has the lowest sum (u < u + 2h) but ending 1 the lowest
     # mean ((u + 2h) / 3 < u); in example 1 ending 0 (loss h) wins both.
@@ -261,8 +263,8 @@ def test_predictions_match_unbatched_unpadded_reference(launches: dict, tiny_che
             ids = torch.tensor((ctx + end)[-TINY.seq_len :])
             n = len(end)
             with torch.no_grad():
-                logp = F.log_softmax(model(ids[None])[0][0].double(), dim=-1)
-            losses = [-logp[t - 1, ids[t]].item() for t in range(len(ids) - n, len(ids))]
+                logits = model(ids[None])[0][0, len(ids) - n - 1 : -1]  # the positions predicting the ending
+            losses = (-F.log_softmax(logits.double(), dim=-1)[torch.arange(n), ids[-n:]]).tolist()
             sums.append(sum(losses))
             means.append(sum(losses) / n)
         expected.append((int(np.argmin(means)), int(np.argmin(sums))))
@@ -281,7 +283,7 @@ def test_val_loss_identical_for_w_1_2_3_and_correct(launches: dict, tiny_checkpo
 
 def test_trainer_style_ddp_model_on_every_rank(launches: dict) -> None:
     """Prepared (DDP) model, evaluated on both ranks: same metrics as the CLI, same sample, mode kept,
-    and `datasets` never imported on this path (only the hub branch of the loader needs it)."""
+    all without `datasets` importable (only the hub branch of the loader needs it)."""
     ranks = launches["ddp"]
     cli = launches[1][0]
     for row in ranks:
@@ -290,7 +292,6 @@ def test_trainer_style_ddp_model_on_every_rank(launches: dict) -> None:
         for key in ("acc_norm", "acc", "correct_norm", "correct", "total"):
             assert row[key] == cli[key]
         assert row["val_loss"] == pytest.approx(cli["val_loss"], abs=1e-6)
-    assert not any(row["datasets_imported"] for row in ranks)
     assert ranks[0]["text"] == ranks[1]["text"]
     assert ranks[0]["text"].startswith("Hello") and len(ranks[0]["text"]) > len("Hello")
 

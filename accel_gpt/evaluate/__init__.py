@@ -24,6 +24,7 @@ from accel_gpt.evaluate.hellaswag import (
     score_hellaswag,
 )
 from accel_gpt.evaluate.val_loss import evaluate_loss
+from accel_gpt.sample import gpt_config
 
 __all__ = ["Example", "Prediction", "evaluate_hellaswag", "evaluate_loss", "load_hellaswag", "run_eval"]
 
@@ -44,7 +45,8 @@ def run_eval(args: argparse.Namespace) -> None:
         with accelerator.main_process_first():  # a hub download lands in the cache once
             examples = load_hellaswag(args.hellaswag, args.limit)
     model, tokenizer, _ = load_model(args.checkpoint, accelerator.device)
-    model = accelerator.prepare_model(model, evaluation_mode=True)  # mixed precision from the launch, no DDP
+    if accelerator.mixed_precision != "no":  # autocast from the launch config; no DDP, evaluation needs no grads
+        model = accelerator.prepare_model(model, evaluation_mode=True)
     result: dict[str, float | int] = {}
     predictions: list[Prediction] = []
     if examples is not None:
@@ -76,13 +78,12 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _val_loss(model: torch.nn.Module, accelerator: Accelerator, args: argparse.Namespace) -> float:
     """The trainer's validation loss: the first eval_steps * batch_size windows of the 'val' split."""
-    from accelerate.utils import extract_model_from_parallel
     from torch.utils.data import DataLoader
 
     from accel_gpt.data.loader import check_vocab, val_windows
     from accel_gpt.data.shards import read_manifest
 
-    cfg = extract_model_from_parallel(model).config
+    cfg = gpt_config(model)
     check_vocab(read_manifest(args.data_dir), cfg.vocab_size, args.data_dir)
     windows = val_windows(args.data_dir, cfg.seq_len, args.eval_steps * args.batch_size)
     val_dl = accelerator.prepare_data_loader(DataLoader(windows, batch_size=args.batch_size))

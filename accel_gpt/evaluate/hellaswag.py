@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import extract_model_from_parallel
 from torch.utils.data import DataLoader, Dataset
 
 from accel_gpt.errors import UserError
+from accel_gpt.sample import gpt_config
 from accel_gpt.tokenizer import GPT2_VOCAB, GPT2Tokenizer
 
 logger = get_logger(__name__)
@@ -232,7 +232,7 @@ def score_hellaswag(
     batching gives every rank the same number of forward passes, so wrappers that communicate inside
     forward stay in step. `batch_size` counts examples, i.e. 4x as many rows per forward pass.
     """
-    cfg = extract_model_from_parallel(model).config
+    cfg = gpt_config(model)
     if cfg.vocab_size < GPT2_VOCAB:
         raise UserError(f"HellaSwag needs a GPT-2 vocabulary (>= {GPT2_VOCAB} ids); this model has {cfg.vocab_size}")
     dataset = HellaSwagTokens(examples, GPT2Tokenizer(), cfg.seq_len)
