@@ -17,35 +17,49 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         "prepare",
         help="tokenize a dataset into GPT-2 token shards + manifest.json",
         description="Tokenize text (a Hugging Face hub id, local txt/json/jsonl/parquet/csv files or folders, "
-        "a save_to_disk folder, or an http(s) URL) into fixed-size token shards that `train` reads.",
+        "a save_to_disk folder, or an http(s) URL) into fixed-size token shards that `train` reads. "
+        "Re-running the same command resumes an interrupted run and verifies a finished one.",
+        epilog="Presets (flags given explicitly override them): tinyshakespeare = the classic 1.1 MB file by URL, "
+        "one document, ~10%% held out for val; fineweb-edu-10B = HuggingFaceFW/fineweb-edu, config sample-10BT, "
+        "first 100M tokens for val (add --streaming --num_proc N). Both need internet. "
+        "Several machines: --num_shards K --shard_index i (or RANK/WORLD_SIZE under accelerate launch) write "
+        "OUT_DIR/part-i-of-K; the last part to finish (or --merge) writes OUT_DIR/manifest.json over all parts.",
     )
-    p.add_argument("--dataset", help="hub id, local file/folder, or http(s) URL of the text")
+    p.add_argument("--dataset", help="hub id, local file/folder, save_to_disk folder, or http(s) URL of the text")
     p.add_argument("--preset", help="a named source: tinyshakespeare | fineweb-edu-10B (need internet)")
     p.add_argument("--dataset_config", default=None, help="hub dataset config name, e.g. sample-10BT")
-    p.add_argument("--split", default="train", help="split to read (default: train)")
+    p.add_argument("--split", default=None, help="split to read (default: train)")
     p.add_argument("--val_split", default=None, help="the dataset's own validation split, if it has one")
     p.add_argument("--text_column", default="text", help="column holding the text (default: text)")
     p.add_argument(
         "--sample_by",
         choices=["line", "paragraph", "document"],
-        default="paragraph",
-        help="plain text only: what one document is (default: paragraph, blank-line separated)",
+        default=None,
+        help="plain text only: what one document is (default: paragraph, blank-line separated; "
+        "document with --tokenizer char, whose stream has no separator)",
     )
     p.add_argument(
         "--tokenizer",
         choices=["gpt2", "char"],
         default="gpt2",
-        help="gpt2 (tiktoken BPE, EOT between documents) or char (vocabulary built from the data)",
+        help="gpt2 (tiktoken BPE, EOT 50256 before every document) or char (vocabulary built from the data)",
     )
     p.add_argument("--out_dir", default="data/shards", help="where shards and manifest.json go")
     p.add_argument("--shard_size", type=int, default=100_000_000, help="tokens per shard (default: 100M)")
     p.add_argument(
-        "--val_tokens", type=int, default=None, help="tokens held out for validation when there is no --val_split"
+        "--val_tokens",
+        type=int,
+        default=None,
+        help="the first N tokens go to the val split (default: 0, or the preset's) when there is no --val_split",
     )
     p.add_argument("--num_proc", type=int, default=1, help="tokenizer worker processes")
     p.add_argument("--streaming", action="store_true", help="stream the dataset: bounded memory, any size")
+    p.add_argument("--limit", type=int, default=None, help="read only the first N documents of each split")
     p.add_argument("--num_shards", type=int, default=None, help="split the input into K parts (one per node)")
     p.add_argument("--shard_index", type=int, default=None, help="which part (0..K-1) this process prepares")
+    p.add_argument(
+        "--merge", action="store_true", help="only merge the finished part-*-of-K folders of --out_dir: one manifest"
+    )
     p.set_defaults(run=lambda a: _call("accel_gpt.data.prepare", "run_prepare", a))
 
 

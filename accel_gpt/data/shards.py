@@ -125,3 +125,106 @@ def open_split(data_dir: str | Path, manifest: dict[str, Any], split: str) -> li
         np.memmap(Path(data_dir) / e["file"], dtype=dtype, mode="r", shape=(e["tokens"],))
         for e in manifest["splits"][split]
     ]
+
+
+# --- Streaming writes and multi-part outputs (used by `prepare`) ---------------------------------------------------
+
+TMP_SUFFIX = ".tmp"
+
+
+class ShardFile:
+    """One shard written as a stream of token arrays into a hidden temporary file, renamed when complete.
+
+    `write_shard` needs the whole shard in memory; with 100M-token shards that is 200 MB per split, so `prepare
+    --streaming` appends here instead and memory stays bounded by one write. The sha256 is updated as bytes go out,
+    which saves reading the file back. The temporary name has no pid, so a re-run after a kill finds and replaces it.
+    """
+
+    def __init__(self, data_dir: str | Path, split: str, index: int, dtype: np.dtype) -> None:
+        self.path = Path(data_dir) / shard_name(split, index)
+        self.tmp = self.path.with_name(f".{self.path.name}{TMP_SUFFIX}")
+        self.dtype = np.dtype(dtype)
+        self.tokens = 0
+        self._hash = hashlib.sha256()
+        self._file = open(self.tmp, "wb")
+
+    def write(self, tokens: np.ndarray) -> None:
+        data = np.ascontiguousarray(tokens, dtype=self.dtype)
+        self._file.write(data.data)
+        self._hash.update(data.data)
+        self.tokens += int(data.size)
+
+    def close(self) -> dict[str, Any]:
+        """fsync, rename to the final name, fsync the folder; return the shard's manifest entry."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.tmp, self.path)
+        _fsync_dir(self.path.parent)
+        return {"file": self.path.name, "tokens": self.tokens, "sha256": self._hash.hexdigest()}
+
+    def abort(self) -> None:
+        self._file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable: without it a power cut can forget a rename the state file already records."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_temp_files(data_dir: str | Path) -> list[Path]:
+    """Delete the hidden temporaries a killed writer left behind (`ShardFile` and `_atomic_write` names)."""
+    removed = []
+    for path in Path(data_dir).glob(".*.tmp*"):
+        if path.is_file() and (path.name.endswith(TMP_SUFFIX) or ".tmp-" in path.name):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Atomically replace a small JSON file (e.g. `prepare`'s resume state)."""
+    text = json.dumps(obj, indent=1).encode()
+    _atomic_write(Path(path), lambda f: f.write(text))
+
+
+def part_dir_name(index: int, count: int) -> str:
+    """Folder of one part of a multi-node `prepare`, inside the common out_dir."""
+    return f"part-{index:05d}-of-{count:05d}"
+
+
+def merge_manifests(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One manifest over the parts' shards: file paths become `<part dir>/<file>`, splits concatenate in part order.
+
+    `parts` is [(part dir name, that part's manifest)] in part order. Tokenizer, vocabulary and dtype must agree.
+    """
+    if not parts:
+        raise DataError("no parts to merge")
+    first = parts[0][1]
+    same = ("tokenizer", "chars", "vocab_size", "dtype", "eot_token")
+    for name, manifest in parts[1:]:
+        for key in same:
+            if manifest.get(key) != first.get(key):
+                raise DataError(
+                    f"part {name} has {key}={manifest.get(key)!r} but part {parts[0][0]} has {first.get(key)!r}"
+                )
+    splits: dict[str, list[dict[str, Any]]] = {}
+    documents: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for name, manifest in parts:
+        for split, entries in manifest["splits"].items():
+            splits.setdefault(split, []).extend({**e, "file": f"{name}/{e['file']}"} for e in entries)
+            tokens[split] = tokens.get(split, 0) + sum(e["tokens"] for e in entries)
+        for split, n in manifest.get("documents", {}).items():
+            documents[split] = documents.get(split, 0) + n
+    merged = {k: v for k, v in first.items() if k not in ("format", "version", "part")}
+    merged.update(splits=splits, tokens=tokens, documents=documents)
+    merged["parts"] = [
+        {"dir": name, "tokens": m.get("tokens", {}), "documents": m.get("documents", {})} for name, m in parts
+    ]
+    return merged

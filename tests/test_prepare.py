@@ -1,0 +1,467 @@
+"""`run.py prepare`: text -> token shards + manifest. Local inputs only (a URL is served from 127.0.0.1).
+
+Expected documents are the lists the tests write themselves, so a round trip is checked against the input, not
+against another run of the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import http.server
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, python_cmd, run_cmd, subprocess_env
+
+from accel_gpt.cli import main as cli_main
+from accel_gpt.data import shards
+from accel_gpt.data.encode import EncoderSpec, encode_pieces, split_document
+from accel_gpt.data.prepare import (
+    STATE_FILE,
+    PrepareOptions,
+    make_tasks,
+    merge_parts,
+    options_from_args,
+    prepare,
+)
+from accel_gpt.errors import ConfigError, DataError
+from accel_gpt.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer
+
+EOT = GPT2_EOT
+
+
+@pytest.fixture(autouse=True)
+def hf_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A datasets cache of our own: the Arrow caches of these tiny files never touch the user's."""
+    import datasets
+
+    cache = tmp_path_factory.getbasetemp() / "hf_datasets_cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def tok() -> GPT2Tokenizer:
+    return GPT2Tokenizer()
+
+
+@pytest.fixture(scope="module")
+def docs(shakespeare_path: Path) -> list[str]:
+    """~300 paragraphs: Shakespeare plus the awkward cases (literal <|endoftext|>, unicode, tabs, spaces)."""
+    paragraphs = [p for p in shakespeare_path.read_text().split("\n\n") if p.strip()][:300]
+    special = [
+        "Before <|endoftext|> after: the literal text must stay text",
+        "<|endoftext|>",
+        "héllo wörld 中文 🙂 ﬁ\u00a0nbsp\tand a tab",
+        "  leading and trailing spaces  ",
+        "numbers 1234567 3.14 and 'll 's 've contractions",
+    ]
+    return paragraphs[:100] + special + paragraphs[100:]
+
+
+def write_txt(path: Path, documents: list[str]) -> Path:
+    """Paragraph documents: none holds a blank line, so joining with one gives the text builder's split back."""
+    assert all("\n\n" not in d and d and not d.startswith("\n") and not d.endswith("\n") for d in documents)
+    path.write_text("\n\n".join(documents))
+    return path
+
+
+def opts(tmp_path: Path, dataset: Path | str, name: str = "out", **kw) -> PrepareOptions:
+    return PrepareOptions(dataset=str(dataset), out_dir=tmp_path / name, **kw)
+
+
+def stream(data_dir: Path) -> np.ndarray:
+    """All tokens in stream order: val (the first tokens) then train."""
+    manifest = shards.read_manifest(data_dir)
+    parts = [
+        np.asarray(a)
+        for split in ("val", "train")
+        if split in manifest["splits"]
+        for a in shards.open_split(data_dir, manifest, split)
+    ]
+    return np.concatenate(parts)
+
+
+def documents_of(tokens: np.ndarray, tok: GPT2Tokenizer) -> list[str]:
+    """Split at EOT (which precedes every document) and decode each document."""
+    assert tokens[0] == EOT, "the stream must start with the EOT of the first document"
+    cuts = [*np.flatnonzero(tokens == EOT).tolist(), tokens.size]
+    return [tok.decode(tokens[a + 1 : b].tolist()) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def files_of(data_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(data_dir.iterdir()) if p.is_file()}
+
+
+# --- tokenization -------------------------------------------------------------------------------------------------
+
+
+def test_safe_split_gives_the_tokens_of_the_whole(shakespeare_path: Path, tok: GPT2Tokenizer) -> None:
+    text = shakespeare_path.read_text()
+    whole = tok.encode(text)
+    for max_chars in (64, 4096, 100_000):
+        pieces = split_document(text, max_chars)
+        assert "".join(pieces) == text
+        assert len(pieces) >= len(text) // max_chars
+        assert [t for p in pieces for t in tok.encode(p)] == whole
+    # adversarial: whitespace runs of every kind, contractions, unicode spaces, a literal special token
+    alphabet = [*"ab  \n\n\t\r'sl1.,!-\u00a0\u3000\u2028\x1c\x85é中", "'ll", "'s", "<|endoftext|>", " \n", "\n "]
+    rng = random.Random(0)
+    for _ in range(1500):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 120)))
+        for max_chars in (1, 5):
+            pieces = split_document(s, max_chars)
+            assert "".join(pieces) == s
+            assert [t for p in pieces for t in tok.encode(p)] == tok.encode(s), (s, pieces)
+
+
+def test_one_huge_document_is_spread_over_many_tasks(shakespeare_path: Path, tok: GPT2Tokenizer) -> None:
+    text = shakespeare_path.read_text()
+    tasks = list(make_tasks([text], 0, 50_000))
+    assert len(tasks) >= 20, "one document must still give work to every worker"
+    assert [t.first for t in tasks][0][0] and not any(f for t in tasks[1:] for f in t.first)
+    results = [encode_pieces(EncoderSpec("gpt2"), t.texts, t.first) for t in tasks]
+    tokens = np.concatenate([r[0] for r in results])
+    assert tokens.tolist() == [EOT, *tok.encode(text)]
+    assert sum(int(r[1].sum()) for r in results) == tokens.size
+
+
+# --- output format ------------------------------------------------------------------------------------------------
+
+
+def test_txt_round_trip_eot_shards_and_manifest(tmp_path: Path, docs: list[str], tok: GPT2Tokenizer) -> None:
+    src = write_txt(tmp_path / "docs.txt", docs)
+    out = tmp_path / "out"
+    summary = prepare(opts(tmp_path, src, shard_size=1000))
+    tokens = stream(out)
+    assert documents_of(tokens, tok) == docs
+    assert int((tokens == EOT).sum()) == len(docs), "a literal <|endoftext|> in the text is never token 50256"
+    manifest = shards.read_manifest(out)
+    entries = manifest["splits"]["train"]
+    assert [e["tokens"] for e in entries[:-1]] == [1000] * (len(entries) - 1)
+    assert 0 < entries[-1]["tokens"] <= 1000 and sum(e["tokens"] for e in entries) == tokens.size
+    assert [e["file"] for e in entries] == [shards.shard_name("train", i) for i in range(len(entries))]
+    shards.verify_split(out, manifest, "train")
+    assert manifest["tokenizer"] == "gpt2" and manifest["vocab_size"] == 50257 and manifest["dtype"] == "uint16"
+    assert manifest["eot_token"] == EOT and manifest["eot_position"] == "before_each_document"
+    assert manifest["documents"] == {"train": len(docs)} and sum(e["documents"] for e in entries) == len(docs)
+    assert manifest["source"]["kind"] == "files" and manifest["source"]["sample_by"] == "paragraph"
+    assert manifest["args"]["shard_size"] == 1000 and "out_dir" not in manifest["args"]
+    assert summary.documents == {"train": len(docs)} and summary.tokens == {"train": tokens.size}
+    assert not (out / STATE_FILE).exists() and sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def _save_jsonl(path: Path, documents: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(documents)))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "csv", "save_to_disk", "folder"])
+def test_local_sources_give_the_input_documents(kind: str, tmp_path: Path, docs: list[str], tok) -> None:
+    import datasets
+
+    documents = [*docs[:150], "", "a document\n\nwith a blank line inside"]
+    table = datasets.Dataset.from_dict({"id": list(range(len(documents))), "text": documents})
+    if kind == "jsonl":
+        src = _save_jsonl(tmp_path / "d.jsonl", documents)
+    elif kind == "parquet":
+        table.to_parquet(src := tmp_path / "d.parquet")
+    elif kind == "csv":
+        table.to_csv(src := tmp_path / "d.csv", index=False)
+    elif kind == "save_to_disk":
+        datasets.DatasetDict({"train": table}).save_to_disk(src := tmp_path / "saved")
+    else:
+        (src := tmp_path / "folder").mkdir()
+        _save_jsonl(src / "a.jsonl", documents[:70])
+        _save_jsonl(src / "b.jsonl", documents[70:])
+    prepare(opts(tmp_path, src, shard_size=5000))
+    assert documents_of(stream(tmp_path / "out"), tok) == documents
+
+
+def test_val_tokens_are_the_first_tokens(tmp_path: Path, docs: list[str]) -> None:
+    src = write_txt(tmp_path / "docs.txt", docs)
+    prepare(opts(tmp_path, src, "all", shard_size=700))
+    prepare(opts(tmp_path, src, "split", shard_size=700, val_tokens=1500))
+    whole, manifest = stream(tmp_path / "all"), shards.read_manifest(tmp_path / "split")
+    assert [e["tokens"] for e in manifest["splits"]["val"]] == [700, 700, 100]
+    assert [e["tokens"] for e in manifest["splits"]["train"]][0] == 700
+    assert np.array_equal(stream(tmp_path / "split"), whole), "val + train is the same stream, cut at 1500"
+    val = np.concatenate(shards.open_split(tmp_path / "split", manifest, "val"))
+    assert manifest["documents"] == {"val": int((val == EOT).sum()), "train": len(docs) - int((val == EOT).sum())}
+
+
+def test_val_split_of_the_dataset(tmp_path: Path, docs: list[str], tok) -> None:
+    import datasets
+
+    splits = {"train": docs[:200], "validation": docs[200:]}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}).save_to_disk(
+        tmp_path / "saved"
+    )
+    prepare(opts(tmp_path, tmp_path / "saved", val_split="validation", shard_size=3000))
+    manifest = shards.read_manifest(tmp_path / "out")
+    for split, name in (("train", "train"), ("val", "validation")):
+        tokens = np.concatenate(shards.open_split(tmp_path / "out", manifest, split))
+        assert documents_of(tokens, tok) == splits[name]
+    assert manifest["documents"] == {"train": 200, "val": len(docs) - 200}
+
+
+def test_char_tokenizer_defaults_to_whole_documents(tmp_path: Path, shakespeare_path: Path) -> None:
+    text = shakespeare_path.read_text()[:30_000]
+    (src := tmp_path / "s.txt").write_text(text)
+    args = cli_args(["--dataset", str(src), "--out_dir", str(tmp_path / "out"), "--tokenizer", "char"])
+    options = options_from_args(args, env={})
+    assert options.sample_by == "document"
+    prepare(dataclasses.replace(options, val_tokens=3000, shard_size=10_000))
+    manifest = shards.read_manifest(tmp_path / "out")
+    assert manifest["chars"] == "".join(sorted(set(text))) and manifest["vocab_size"] == len(set(text))
+    assert manifest["eot_token"] is None and manifest["dtype"] == "uint16"
+    assert CharTokenizer(manifest["chars"]).decode(stream(tmp_path / "out").tolist()) == text
+    assert manifest["splits"]["val"][0]["tokens"] == 3000
+
+
+def test_char_vocabulary_over_65535_is_uint32(tmp_path: Path) -> None:
+    chars = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 70_000) if not 0xD800 <= c < 0xE000)
+    text = "".join(random.Random(1).sample(chars, len(chars)))
+    (src := tmp_path / "wide.txt").write_text(text)
+    prepare(opts(tmp_path, src, tokenizer="char", sample_by="document", shard_size=50_000))
+    manifest = shards.read_manifest(tmp_path / "out")
+    assert manifest["vocab_size"] == len(chars) > 65_535 and manifest["dtype"] == "uint32"
+    assert CharTokenizer(manifest["chars"]).decode(stream(tmp_path / "out").tolist()) == text
+
+
+def test_output_does_not_depend_on_workers_streaming_or_task_size(tmp_path: Path, shakespeare_path: Path, tok):
+    """Also the huge-document case: the whole file is one document, cut into ~20 pieces for 2 workers."""
+    base = dict(sample_by="document", shard_size=40_000, val_tokens=30_000)
+    prepare(opts(tmp_path, shakespeare_path, "serial", **base))
+    prepare(opts(tmp_path, shakespeare_path, "parallel", num_proc=2, streaming=True, task_chars=50_000, **base))
+    serial, parallel = files_of(tmp_path / "serial"), files_of(tmp_path / "parallel")
+    assert {k: v for k, v in serial.items() if k.endswith(".bin")} == {
+        k: v for k, v in parallel.items() if k.endswith(".bin")
+    }
+    assert stream(tmp_path / "parallel").tolist() == [EOT, *tok.encode(shakespeare_path.read_text())]
+
+
+def test_limit_reads_the_first_documents(tmp_path: Path, docs: list[str], tok) -> None:
+    src = write_txt(tmp_path / "docs.txt", docs)
+    prepare(opts(tmp_path, src, limit=7, streaming=True))
+    assert documents_of(stream(tmp_path / "out"), tok) == docs[:7]
+
+
+# --- sources, presets, the command line ----------------------------------------------------------------------------
+
+
+def cli_args(argv: list[str]):
+    from accel_gpt.cli import build_parser
+
+    return build_parser().parse_args(["prepare", *argv])
+
+
+def test_presets_and_flags_over_them(tmp_path: Path, shakespeare_path: Path) -> None:
+    fineweb = options_from_args(cli_args(["--preset", "fineweb-edu-10B", "--streaming", "--num_proc", "8"]), env={})
+    assert (fineweb.dataset, fineweb.dataset_config, fineweb.split) == (
+        "HuggingFaceFW/fineweb-edu",
+        "sample-10BT",
+        "train",
+    )
+    assert fineweb.val_tokens == 100_000_000 and fineweb.shard_size == 100_000_000 and fineweb.streaming
+    tiny = options_from_args(cli_args(["--preset", "tinyshakespeare"]), env={})
+    assert tiny.dataset.startswith("https://") and tiny.sample_by == "document" and tiny.val_tokens == 33_800
+    assert options_from_args(cli_args(["--preset", "tinyshakespeare", "--tokenizer", "char"]), env={}).val_tokens == (
+        111_540
+    )
+    assert options_from_args(cli_args(["--preset", "tinyshakespeare", "--val_tokens", "5"]), env={}).val_tokens == 5
+    # the preset run on the real file (offline: --dataset replaces only the URL): 338,025 tokens + 1 EOT
+    out = tmp_path / "tiny"
+    args = cli_args(["--preset", "tinyshakespeare", "--dataset", str(shakespeare_path), "--out_dir", str(out)])
+    prepare(options_from_args(args, env={}))
+    manifest = shards.read_manifest(out)
+    assert manifest["tokens"] == {"train": 338_026 - 33_800, "val": 33_800}
+    assert manifest["documents"] == {"val": 1, "train": 0} and manifest["args"]["preset"] == "tinyshakespeare"
+    with pytest.raises(ConfigError, match="expected one of tinyshakespeare, fineweb-edu-10B"):
+        options_from_args(cli_args(["--preset", "tiny"]), env={})
+
+
+def test_url_source_served_locally(tmp_path: Path, docs: list[str], tok, monkeypatch) -> None:
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    (www := tmp_path / "www").mkdir()
+    write_txt(www / "corpus.txt", docs)
+    handler = functools.partial(QuietHandler, directory=str(www))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/corpus.txt"
+        prepare(opts(tmp_path, url, shard_size=4000))
+        assert documents_of(stream(tmp_path / "out"), tok) == docs
+        assert shards.read_manifest(tmp_path / "out")["source"]["kind"] == "url"
+        with pytest.raises(DataError, match="could not download .*missing.txt"):
+            prepare(opts(tmp_path, url.replace("corpus", "missing"), "missing"))
+    finally:
+        server.shutdown()
+    assert not (tmp_path / "missing").exists()
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _cli_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["prepare", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("error: ")
+    return line
+
+
+def test_bad_inputs_give_one_line_and_leave_nothing(tmp_path: Path, docs: list[str], capsys) -> None:
+    write_txt(tmp_path / "docs.txt", docs)
+    _save_jsonl(tmp_path / "d.jsonl", docs[:20])
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "a_file").write_text("x")
+    (foreign := tmp_path / "foreign").mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    cases = {
+        "missing": (["--dataset", str(tmp_path / "nope.txt")], "does not exist"),
+        "column": (["--dataset", str(tmp_path / "d.jsonl"), "--text_column", "body"], "columns: id, text"),
+        "empty": (["--dataset", str(tmp_path / "empty.txt")], "has no documents"),
+        "unwritable": (["--dataset", str(tmp_path / "docs.txt")], "cannot write to out_dir"),
+        "too_much_val": (["--dataset", str(tmp_path / "docs.txt"), "--val_tokens", "10000000"], "no tokens left"),
+        "foreign": (["--dataset", str(tmp_path / "docs.txt")], "not empty"),
+    }
+    for name, (argv, message) in cases.items():
+        out = {"unwritable": tmp_path / "a_file" / "sub", "foreign": foreign}.get(name, tmp_path / f"out_{name}")
+        line = _cli_error(capsys, [*argv, "--out_dir", str(out), "--shard_size", "500"])
+        assert message in line, (name, line)
+        if name == "foreign":
+            assert [p.name for p in foreign.iterdir()] == ["notes.txt"], "someone else's folder is left as it was"
+        else:
+            assert not out.exists(), f"{name}: a failed prepare left {list(out.iterdir())}"
+
+
+def test_cli_process_exits_2_with_one_line(tmp_path: Path) -> None:
+    proc = run_cmd(
+        python_cmd("prepare", "--dataset", str(tmp_path / "x.jsonl"), "--out_dir", str(tmp_path)), check=False
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: --dataset '{tmp_path / 'x.jsonl'}' does not exist (no such file or folder)"
+    ]
+
+
+# --- re-runs, crashes, resume -------------------------------------------------------------------------------------
+
+
+def test_rerun_verifies_a_finished_prepare_and_refuses_other_arguments(tmp_path: Path, docs: list[str]) -> None:
+    src = write_txt(tmp_path / "docs.txt", docs)
+    prepare(opts(tmp_path, src, shard_size=2000))
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
+    assert prepare(opts(tmp_path, src, shard_size=2000, num_proc=2)).status == "already prepared"
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == before
+    with pytest.raises(DataError, match=r"other arguments \(shard_size: 2000 -> 3000\)"):
+        prepare(opts(tmp_path, src, shard_size=3000))
+    shard = tmp_path / "out" / shards.shard_name("train", 1)
+    shard.write_bytes(shard.read_bytes()[::-1])
+    with pytest.raises(DataError, match="fails its checksum"):
+        prepare(opts(tmp_path, src, shard_size=2000))
+
+
+def test_killed_prepare_resumes_to_identical_bytes(tmp_path: Path, shakespeare_path: Path, caplog) -> None:
+    """SIGKILL the whole process group half-way, damage the last finished shard, re-run the same command."""
+    src = tmp_path / "big.txt"
+    src.write_text(shakespeare_path.read_text() * 4)
+    argv = ["prepare", "--dataset", str(src), "--shard_size", "10000", "--val_tokens", "25000", "--num_proc", "2"]
+    cli_main([*argv, "--out_dir", str(tmp_path / "reference")])
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        python_cmd(*argv, "--out_dir", str(out)),
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        committed = _wait_for_shards(out, proc, at_least=8)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (out / shards.MANIFEST).exists(), "the run finished before it could be killed"
+    last = out / committed[-1]["file"]
+    last.write_bytes(b"\0" * last.stat().st_size)  # same size, wrong bytes: only the checksum can tell
+
+    with caplog.at_level("WARNING"):
+        cli_main([*argv, "--out_dir", str(out)])
+    assert f"shard {last} is missing or changed" in caplog.text
+    assert files_of(out) == files_of(tmp_path / "reference")
+
+
+def _wait_for_shards(out: Path, proc: subprocess.Popen, at_least: int, timeout: float = 120) -> list[dict]:
+    """Poll the state file until `at_least` shards are recorded (a real crash point, not a simulated one)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "prepare exited before it could be killed"
+        try:
+            committed = json.loads((out / STATE_FILE).read_text())["shards"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            committed = []
+        if len(committed) >= at_least:
+            return committed
+        time.sleep(0.01)
+    raise AssertionError(f"no {at_least} shards within {timeout}s")
+
+
+# --- several machines ---------------------------------------------------------------------------------------------
+
+
+def test_parts_merge_into_the_single_run_stream(tmp_path: Path, docs: list[str], capsys) -> None:
+    src = write_txt(tmp_path / "docs.txt", docs)
+    prepare(opts(tmp_path, src, "single", shard_size=3000, val_tokens=2000))
+    for index in (2, 0, 1):  # any finishing order; the last one merges
+        assert not (tmp_path / "multi" / shards.MANIFEST).exists()
+        prepare(opts(tmp_path, src, "multi", shard_size=3000, val_tokens=2000, num_shards=3, shard_index=index))
+    merged = shards.read_manifest(tmp_path / "multi")
+    for split in ("train", "val"):
+        shards.verify_split(tmp_path / "multi", merged, split)
+    assert np.array_equal(stream(tmp_path / "multi"), stream(tmp_path / "single"))
+    assert merged["documents"] == shards.read_manifest(tmp_path / "single")["documents"]
+    assert merged["splits"]["train"][0]["file"] == "part-00000-of-00003/train_000000.bin"
+    assert [p["dir"] for p in merged["parts"]] == [f"part-0000{i}-of-00003" for i in range(3)]
+
+    (tmp_path / "multi" / shards.MANIFEST).unlink()
+    cli_main(["prepare", "--merge", "--out_dir", str(tmp_path / "multi")])
+    assert capsys.readouterr().out.startswith(f"merged: {len(docs):,} documents")
+    assert shards.read_manifest(tmp_path / "multi") == merged
+    (tmp_path / "multi" / "part-00001-of-00003" / shards.MANIFEST).unlink()
+    with pytest.raises(DataError, match="unfinished or missing parts: part-00001-of-00003"):
+        merge_parts(tmp_path / "multi")
+
+
+def test_parts_from_accelerate_launch(tmp_path: Path, docs: list[str], tok) -> None:
+    """RANK/WORLD_SIZE of a real `accelerate launch` pick the parts; the later process merges them."""
+    from conftest import accelerate_cmd
+
+    src = write_txt(tmp_path / "docs.txt", docs)
+    assert options_from_args(cli_args(["--dataset", str(src)]), {"RANK": "1", "WORLD_SIZE": "2"}).data_dir == Path(
+        "data/shards/part-00001-of-00002"
+    )
+    out = tmp_path / "launched"
+    run_cmd(
+        accelerate_cmd(2, "prepare", "--dataset", str(src), "--out_dir", str(out), "--shard_size", "4000"), timeout=180
+    )
+    assert documents_of(stream(out), tok) == docs
+    assert shards.read_manifest(out)["args"]["num_shards"] == 2
