@@ -1,10 +1,18 @@
 """Checkpoints: `TrainState`, atomic `save_state` folders, pruning, and resuming from one.
 
-Layout: `out_dir/checkpoints/step_XXXXXXXX/` holds what `accelerator.save_state` writes (model,
-optimizer, scheduler, each rank's RNG state, the registered `TrainState`), plus `model_config.json`
-(so eval/sample/export can read it) and `COMPLETE`, written last. A save goes into a hidden
-`.tmp-step_XXXXXXXX/` folder that is renamed only once every rank has written its part, so a crash
-mid-save leaves the previous checkpoint as the newest complete one.
+Layout: `out_dir/checkpoints/step_XXXXXXXX/` holds what `accelerator.save_state` writes (model.safetensors,
+optimizer.bin, scheduler.bin, random_states_{rank}.pkl for every rank, custom_checkpoint_0.pkl with the
+`TrainState`), plus `model_config.json` (so eval/sample/export can read it) and `COMPLETE`, written last.
+
+A save goes into a hidden `.tmp-step_XXXXXXXX/` folder. Once every rank has written its part, the main process
+fsyncs it, writes `COMPLETE` and renames it into place; a folder is deleted by first renaming it to a hidden
+`.trash-` name. So a crash at any moment leaves each `step_*` folder either complete or absent (plus hidden
+leftovers that the next save removes), and the previous checkpoint is always intact. Readers trust only folders
+with `COMPLETE`.
+
+The model weights are saved under the unwrapped model's keys whatever the world size (accelerate 1.15 keeps the
+module it was given, not the DDP wrapper, in the list it saves), so a checkpoint written by W processes resumes
+under any W' with the same `total_batch_size`.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +37,14 @@ logger = get_logger(__name__)
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
-# Fields that a resumed run must share with its checkpoint: the model's shape, and the global batch,
-# which fixes how far the data stream has advanced per step.
+TMP_PREFIX = ".tmp-"  # a save in progress (or killed mid-way)
+TRASH_PREFIX = ".trash-"  # a checkpoint being deleted
+TRAIN_STATE_FILE = "custom_checkpoint_0.pkl"  # accelerate's name for the first registered object
+PICKLE_SUFFIXES = (".bin", ".pkl", ".pt")
+# Fields that a resumed run must share with its checkpoint: the model's shape, the global batch (it fixes how
+# far the data stream advances per step) and the seed (it fixes the data order).
 RESUME_FIELDS = (*MODEL_FIELDS, "total_batch_size", "seed")
+_HEAD, _WTE = "lm_head.weight", "transformer.wte.weight"
 
 
 @dataclass
@@ -72,12 +86,97 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+# ----------------------------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    accelerator: Accelerator,
+    out_dir: str | Path,
+    state: TrainState,
+    model_meta: dict[str, Any],
+    keep: int,
+    keep_best: bool,
+    val_loss: float | None = None,
+) -> Path:
+    """Every rank calls this: `save_state` into a temporary folder, then the main process publishes it.
+
+    `val_loss` is the validation loss of these very weights (None when this step was not evaluated); it is what
+    `keep_best` ranks checkpoints by.
+    """
+    root = Path(out_dir) / CHECKPOINTS
+    final = root / checkpoint_name(state.step)
+    tmp = root / f"{TMP_PREFIX}{final.name}"
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(root)
+    accelerator.wait_for_everyone()
+    handle = accelerator.register_save_state_pre_hook(_drop_tied_head)
+    try:
+        accelerator.save_state(str(tmp))
+    finally:
+        handle.remove()
+    accelerator.wait_for_everyone()  # every rank's RNG file is in tmp
+    if accelerator.is_main_process:
+        _publish(tmp, final, {**model_meta, "step": state.step}, _marker(state, val_loss))
+        prune(out_dir, keep, keep_best)
+        logger.info(f"saved checkpoint {final}")
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _drop_tied_head(models: list, weights: list[dict[str, Any]], output_dir: str) -> None:
+    """Save the tied LM head once, as wte. accelerate would drop the alias itself (safetensors refuses shared
+    tensors) but warns at every save; loading re-ties it either way."""
+    for sd in weights:
+        head, wte = sd.get(_HEAD), sd.get(_WTE)
+        if head is not None and wte is not None and head.data_ptr() == wte.data_ptr():
+            del sd[_HEAD]
+
+
+def _marker(state: TrainState, val_loss: float | None) -> dict[str, Any]:
+    return {"step": state.step, "tokens_seen": state.tokens_seen, "val_loss": val_loss}
+
+
+def _publish(tmp: Path, final: Path, model_config: dict[str, Any], marker: dict[str, Any]) -> None:
+    """Main process: make `tmp` durable, mark it complete, and rename it to `final` in one step."""
+    (tmp / MODEL_CONFIG).write_text(json.dumps(model_config, indent=2))
+    _fsync_tree(tmp)  # the data must be on disk before the marker that vouches for it
+    (tmp / COMPLETE).write_text(json.dumps(marker))
+    _fsync_file(tmp / COMPLETE)
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again (e.g. resumed from an older checkpoint by path)
+        _remove(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder so that no reader can see it half-deleted: rename it away, then delete."""
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Hidden folders of saves or deletions that a crash interrupted; nothing reads them."""
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def _fsync_tree(path: Path) -> None:
     for p in sorted(path.rglob("*")):
         if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+            _fsync_file(p)
+        elif p.is_dir():
+            _fsync_dir(p)
     _fsync_dir(path)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -88,8 +187,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def complete_checkpoints(out_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first; incomplete folders are skipped with a warning."""
+def complete_checkpoints(out_dir: str | Path, warn: bool = False) -> list[Path]:
+    """Complete checkpoints, oldest first; with `warn`, say which `step_*` folders are skipped as incomplete."""
     root = Path(out_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
@@ -97,71 +196,55 @@ def complete_checkpoints(out_dir: str | Path) -> list[Path]:
     for p in sorted(root.glob("step_*")):
         if (p / COMPLETE).is_file():
             done.append(p)
-        else:
-            logger.warning(f"skipping incomplete checkpoint {p} (no {COMPLETE} marker)")
+        elif warn:
+            logger.warning(f"skipping incomplete checkpoint {p} (no {COMPLETE} marker: its save did not finish)")
     return done
 
 
-def save_checkpoint(
-    accelerator: Accelerator,
-    out_dir: str | Path,
-    state: TrainState,
-    model_meta: dict[str, Any],
-    keep: int,
-    keep_best: bool,
-) -> Path:
-    """Every rank calls this: `save_state` into a temporary folder, then the main process publishes it."""
-    root = Path(out_dir) / CHECKPOINTS
-    final = root / checkpoint_name(state.step)
-    tmp = root / f".tmp-{checkpoint_name(state.step)}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        root.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()  # every rank's RNG file and shard is in tmp
-    if accelerator.is_main_process:
-        (tmp / MODEL_CONFIG).write_text(json.dumps({**model_meta, "step": state.step}, indent=2))
-        _fsync_tree(tmp)
-        marker = {"step": state.step, "tokens_seen": state.tokens_seen, "val_loss": state.last_val_loss}
-        (tmp / COMPLETE).write_text(json.dumps(marker))
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        prune(out_dir, keep, keep_best)
-        logger.info(f"saved checkpoint {final}")
-    accelerator.wait_for_everyone()
-    return final
-
-
 def prune(out_dir: str | Path, keep: int, keep_best: bool) -> None:
-    """Delete all but the newest `keep` complete checkpoints (and the best by val loss with keep_best)."""
+    """Delete all but the newest `keep` complete checkpoints (0 keeps all), and with `keep_best` also keep the
+    one whose own weights had the lowest validation loss."""
     done = complete_checkpoints(out_dir)
     keepers = set(done[-keep:]) if keep > 0 else set(done)
     if keep_best:
-        scored = [(json.loads((p / COMPLETE).read_text()).get("val_loss", math.nan), p) for p in done]
-        scored = [(v, p) for v, p in scored if v == v]  # NaN: not evaluated at that point
+        scored = [(json.loads((p / COMPLETE).read_text()).get("val_loss"), p) for p in done]
+        scored = [(v, p) for v, p in scored if v is not None and not math.isnan(v)]
         if scored:
             keepers.add(min(scored)[1])
     for p in done:
         if p not in keepers:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove(p)
+
+
+# --------------------------------------------------------------------------------------------- resume
 
 
 def find_resume_checkpoint(resume: str, out_dir: str | Path) -> Path | None:
-    """`none` -> None; `auto` -> newest complete checkpoint or None; a path -> that (complete) checkpoint."""
-    if resume == "none":
+    """`auto` -> the newest complete checkpoint or None; a path -> that complete checkpoint; `none` -> None.
+
+    `none` refuses an out_dir that already holds checkpoints: the new run's saves would mix with the old run's,
+    pruning would keep whichever has the higher step, and a later `auto` would resume the wrong run.
+    """
+    if resume in ("auto", "none"):
+        done = complete_checkpoints(out_dir, warn=True)
+        if resume == "auto":
+            return done[-1] if done else None
+        if done:
+            raise UserError(
+                f"out_dir {out_dir} already holds checkpoints of an earlier run (newest {done[-1].name}); "
+                "pass --resume auto to continue it, or use a new out_dir"
+            )
         return None
-    if resume == "auto":
-        done = complete_checkpoints(out_dir)
-        return done[-1] if done else None
     path = Path(resume)
     if not path.is_dir():
-        raise UserError(f"resume checkpoint '{resume}' does not exist")
+        raise UserError(f"resume checkpoint '{resume}' does not exist; expected auto, none or a checkpoint folder")
     if not (path / COMPLETE).is_file():
-        raise UserError(f"resume checkpoint '{resume}' is incomplete (no {COMPLETE} marker): it was being written")
+        if (path / CHECKPOINTS).is_dir():
+            raise UserError(
+                f"resume '{resume}' is a run directory, not a checkpoint: pass {path / CHECKPOINTS}/step_XXXXXXXX, "
+                f"or --resume auto with --out_dir {resume}"
+            )
+        raise UserError(f"resume checkpoint '{resume}' is incomplete (no {COMPLETE} marker): its save did not finish")
     return path
 
 
@@ -170,30 +253,43 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Pa
         if name in saved and saved[name] != current[name]:
             raise UserError(
                 f"cannot resume from {path}: {name} was {saved[name]} there but is {current[name]} now "
-                f"(it changes the model shape or the data order); use the checkpoint's value or resume: none"
+                f"(it changes the model shape or the data order); use the checkpoint's value or a new out_dir"
             )
 
 
 def check_pickles_are_safe(path: Path) -> None:
-    """Accelerate unpickles registered objects with `weights_only=False`; first prove every pickle in the
-    folder loads as plain tensors/numbers (weights_only=True) so nothing in it can run code."""
+    """Prove that every pickle in the checkpoint holds only tensors and numbers before accelerate reads it.
+
+    accelerate's `load_state` unpickles registered objects (the `TrainState`) with `weights_only=False`, which
+    runs whatever code a crafted file names. Loading every pickle here with `weights_only=True` first means that
+    such a file is refused before anything executes; truncated or garbage files are reported here too.
+    """
     from accelerate.utils.other import load
 
-    for p in sorted([*path.glob("*.bin"), *path.glob("*.pkl"), *path.glob("*.pt")]):
+    for p in sorted(q for q in path.rglob("*") if q.suffix in PICKLE_SUFFIXES and q.is_file()):
         try:
             load(p, map_location="cpu", weights_only=True)
-        except Exception as e:
+        except pickle.UnpicklingError as e:
             raise UserError(
-                f"checkpoint file {p} is corrupt or holds non-tensor objects: {str(e).splitlines()[0]}"
+                f"checkpoint file {p} holds something other than tensors and numbers ({_refusal_reason(e)}); "
+                "refusing to unpickle it, as that could run arbitrary code"
             ) from None
+        except Exception as e:
+            raise UserError(f"checkpoint file {p} is corrupt or truncated: {_first_line(e)}") from None
 
 
 def saved_state(path: Path) -> TrainState:
-    """The TrainState inside a checkpoint, read without restoring anything (after the safety check)."""
+    """The TrainState inside a checkpoint, read without restoring anything (after `check_pickles_are_safe`)."""
     from accelerate.utils.other import load
 
+    file = path / TRAIN_STATE_FILE
+    if not file.is_file():
+        raise UserError(f"checkpoint {path} has no {TRAIN_STATE_FILE} (the trainer state): not an accel_gpt checkpoint")
     state = TrainState()
-    state.load_state_dict(load(path / "custom_checkpoint_0.pkl", map_location="cpu", weights_only=True))
+    try:
+        state.load_state_dict(load(file, map_location="cpu", weights_only=True))
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{file} is not an accel_gpt trainer state: {type(e).__name__} {e}") from None
     return state
 
 
@@ -205,5 +301,22 @@ def load_checkpoint(accelerator: Accelerator, path: Path, state: TrainState, con
     try:
         accelerator.load_state(str(path))
     except Exception as e:
-        raise UserError(f"cannot load checkpoint {path}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"cannot load checkpoint {path}: {_first_line(e)}") from None
+    # load_state restores accelerate's micro-step counter, and gradients sync (and the optimizer steps) when it is a
+    # multiple of the accumulation. A checkpoint sits on an optimizer-step boundary, but the counter counts the
+    # saving run's micro-steps: saved by W=2 (accumulation 1) at step 3 and resumed by W=1 (accumulation 2), it
+    # would read 3, and every resumed update would come after one micro-step and then be skipped.
+    accelerator.step = 0
     logger.info(f"resumed from {path} at step {state.step}")
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def _refusal_reason(e: BaseException) -> str:
+    """torch's weights_only refusal is a paragraph; keep the line that names what was refused."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    named = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
+    return named[0] if named else _first_line(e)
