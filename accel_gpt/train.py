@@ -84,16 +84,21 @@ def train(cfg: TrainConfig) -> None:
         last = state.step == cfg.max_steps
         run_eval = due(state.step, cfg.eval_every, last) and run.val_dl is not None
         run_hellaswag = due(state.step, cfg.hellaswag_every, last) and bool(run.hellaswag)
+        saving = due(state.step, cfg.save_every, last)
         stopping = False
-        if last or run_eval or run_hellaswag or state.step % cfg.log_every == 0:
+        # A save step also writes its metrics rows: a resume keeps the rows up to its checkpoint's step.
+        if last or saving or run_eval or run_hellaswag or state.step % cfg.log_every == 0:
             rows, stopping = window.collect(state.step)  # the one host sync; the window's timing ends here
             if run_eval:
                 rows[-1] |= evaluate(run, accelerator, cfg, state)
             if run_hellaswag:
                 rows[-1] |= hellaswag(run, accelerator, cfg)
             window.write(rows, metrics, progress)
-        if due(state.step, cfg.save_every, last) or (stopping and cfg.save_every):
-            save_checkpoint(accelerator, cfg.out_dir, state, run.model_meta, cfg.keep_checkpoints, cfg.keep_best)
+        if saving or (stopping and cfg.save_every):
+            val_loss = state.last_val_loss if run_eval else None  # keep_best ranks a checkpoint by its own loss
+            save_checkpoint(
+                accelerator, cfg.out_dir, state, run.model_meta, cfg.keep_checkpoints, cfg.keep_best, val_loss
+            )
             window.restart_clock()  # saving time is not training throughput
         if stopping:
             logger.info(f"stop requested: stopped after step {state.step}; resume with --resume auto")
