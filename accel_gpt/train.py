@@ -240,15 +240,17 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
 
 
 def resume(cfg: TrainConfig, accelerator: Accelerator, state: TrainState, metrics: MetricsFile) -> None:
+    """Restore the checkpoint `cfg.resume` names (or start at step 0), then drop the metrics rows after the step
+    the run continues from: they are recomputed, and they include the rows of an attempt that crashed before its
+    first checkpoint (an elastic restart with `resume: auto`), which would otherwise appear twice."""
     path = find_resume_checkpoint(cfg.resume, cfg.out_dir)
-    if path is None:
-        if cfg.resume == "auto":
-            logger.info("resume: auto found no complete checkpoint; starting from step 0")
-        return
-    load_checkpoint(accelerator, path, state, cfg.to_dict())
-    state.config = cfg.to_dict()
+    if path is not None:
+        load_checkpoint(accelerator, path, state, cfg.to_dict())
+        state.config = cfg.to_dict()
+    elif cfg.resume == "auto":
+        logger.info("resume: auto found no complete checkpoint; starting from step 0")
     if accelerator.is_main_process:
-        metrics.truncate_after(state.step)  # steps after the checkpoint are recomputed and logged again
+        metrics.truncate_after(state.step)
 
 
 def start_run(cfg: TrainConfig, accelerator: Accelerator) -> None:
