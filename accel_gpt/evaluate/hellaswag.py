@@ -17,7 +17,7 @@ import json
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -104,7 +104,7 @@ def _fetch_lines(url: str) -> list[str]:
     return text.splitlines()
 
 
-def _jsonl_rows(lines: Any, source: str) -> Iterator[tuple[str, Any]]:
+def _jsonl_rows(lines: Iterable[str], source: str) -> Iterator[tuple[str, Any]]:
     """(location, decoded object) per non-blank line; locations are 1-based line numbers."""
     for number, line in enumerate(lines, start=1):
         if not line.strip():
