@@ -320,7 +320,8 @@ def test_loads_original_format_with_limit_blank_lines_and_hub_style_labels(tmp_p
         (json.dumps(hs_row(1, "x", ["a", "b", "c", 4], 0)), "line 2: 'endings' must be a list of 4 strings"),
         (json.dumps(hs_row(1, "x", ["a", "b", "c", "d"], 4)), "line 2: 'label' must be an integer 0-3, got 4"),
         (json.dumps(hs_row(1, "x", ["a", "b", "c", "d"], "")), "line 2: 'label' must be an integer 0-3, got ''"),
-        (json.dumps({**hs_row(1, "x", ["a", "b", "c", "d"], 0), "ctx": 7}), "line 2: 'ctx' must be a string"),
+        (json.dumps({**hs_row(1, "x", ["a", "b", "c", "d"], 0), "ctx": 7}), "line 2: 'ctx' must be a non-empty string"),
+        (json.dumps(hs_row(1, "", ["a", "b", "c", "d"], 0)), "line 2: 'ctx' must be a non-empty string, got ''"),
     ],
 )
 def test_malformed_rows_name_the_line_and_the_problem(tmp_path: Path, line: str, message: str) -> None:

@@ -137,8 +137,8 @@ def parse_row(row: Any, where: str, position: int) -> Example:
     if missing:
         raise UserError(f"{where}: missing field(s) {', '.join(missing)} (expected ctx, endings, label)")
     ctx, endings, label = row["ctx"], row["endings"], row["label"]
-    if not isinstance(ctx, str):
-        raise UserError(f"{where}: 'ctx' must be a string, got {type(ctx).__name__}")
+    if not isinstance(ctx, str) or not ctx:  # an empty context leaves a 1-token ending nothing to be predicted from
+        raise UserError(f"{where}: 'ctx' must be a non-empty string, got {ctx!r}")
     if not isinstance(endings, list) or len(endings) != NUM_ENDINGS or not all(isinstance(e, str) for e in endings):
         got = f"{len(endings)} items" if isinstance(endings, list) else type(endings).__name__
         raise UserError(f"{where}: 'endings' must be a list of {NUM_ENDINGS} strings, got {got}")
@@ -171,7 +171,7 @@ class HellaSwagTokens(Dataset):
         ctx = self.tokenizer.encode(ex.ctx)
         rows, masks = [], []
         for ending in self.tokenizer.encode_batch([" " + e for e in ex.endings]):
-            # too long for the context window: keep the rightmost tokens, so the ending survives whole
+            # too long for the context window: keep the rightmost tokens (the ending, and the context just before it)
             rows.append((ctx + ending)[-self.seq_len :])
             masks.append(([0] * len(ctx) + [1] * len(ending))[-self.seq_len :])
         return {"position": i, "label": ex.label, "rows": rows, "masks": masks}
