@@ -67,12 +67,14 @@ def train(cfg: TrainConfig) -> None:
     accelerator.register_for_checkpointing(state)
     metrics = MetricsFile(Path(cfg.out_dir) / "metrics.jsonl", accelerator.is_main_process)
     resume(cfg, accelerator, state, metrics)
+    # Before start_run's barrier: once any rank trains, every rank turns SIGTERM into a clean stop (a rank that
+    # died of it would take the others' last step and save down). Earlier, a signal just ends the process.
+    stop = StopSignal()
     start_run(cfg, accelerator)
     run.sampler.start = state.data_position  # seek: the stream position follows from the step
     batches = iter(run.train_dl)
     logger.info(describe(cfg, accelerator, run))
 
-    stop = StopSignal()
     started = time.perf_counter()
     progress = tqdm(total=cfg.max_steps, initial=state.step, disable=not accelerator.is_main_process, unit="step")
     window = LogWindow(cfg, accelerator, run, state.step)
