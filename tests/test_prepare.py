@@ -25,14 +25,8 @@ from conftest import REPO, python_cmd, run_cmd, subprocess_env
 from accel_gpt.cli import main as cli_main
 from accel_gpt.data import shards
 from accel_gpt.data.encode import EncoderSpec, encode_pieces, split_document
-from accel_gpt.data.prepare import (
-    STATE_FILE,
-    PrepareOptions,
-    make_tasks,
-    merge_parts,
-    options_from_args,
-    prepare,
-)
+from accel_gpt.data.pipeline import STATE_FILE, make_tasks
+from accel_gpt.data.prepare import PrepareOptions, merge_parts, options_from_args, prepare
 from accel_gpt.errors import ConfigError, DataError
 from accel_gpt.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer
 
@@ -342,6 +336,8 @@ def test_bad_inputs_give_one_line_and_leave_nothing(tmp_path: Path, docs: list[s
         "unwritable": (["--dataset", str(tmp_path / "docs.txt")], "cannot write to out_dir"),
         "too_much_val": (["--dataset", str(tmp_path / "docs.txt"), "--val_tokens", "10000000"], "no tokens left"),
         "foreign": (["--dataset", str(tmp_path / "docs.txt")], "not empty"),
+        "hub_offline": (["--dataset", "nobody/no-such-dataset"], "could not load 'nobody/no-such-dataset'"),
+        "local_split": (["--dataset", str(tmp_path / "docs.txt"), "--split", "test"], "has one split, 'train'"),
     }
     for name, (argv, message) in cases.items():
         out = {"unwritable": tmp_path / "a_file" / "sub", "foreign": foreign}.get(name, tmp_path / f"out_{name}")
@@ -382,8 +378,8 @@ def test_rerun_verifies_a_finished_prepare_and_refuses_other_arguments(tmp_path:
 def test_killed_prepare_resumes_to_identical_bytes(tmp_path: Path, shakespeare_path: Path, caplog) -> None:
     """SIGKILL the whole process group half-way, damage the last finished shard, re-run the same command."""
     src = tmp_path / "big.txt"
-    src.write_text(shakespeare_path.read_text() * 4)
-    argv = ["prepare", "--dataset", str(src), "--shard_size", "10000", "--val_tokens", "25000", "--num_proc", "2"]
+    src.write_text(shakespeare_path.read_text() * 2)
+    argv = ["prepare", "--dataset", str(src), "--shard_size", "5000", "--val_tokens", "12000"]
     cli_main([*argv, "--out_dir", str(tmp_path / "reference")])
 
     out = tmp_path / "killed"

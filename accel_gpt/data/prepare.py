@@ -18,6 +18,8 @@ The choices a reader needs before the code:
 - **Validation**: `--val_split S` tokenizes the dataset's own split into `val`; otherwise `--val_tokens N` sends the
   *first* N tokens of the stream to `val` (the first, not the last, because a stream's length is unknown until its
   end) and the rest to `train`. The cut is exact and may fall inside a document.
+- **Layout**: this module holds the options, the `datasets` side and the command; `pipeline.py` the tasks, the
+  worker pool and the resumable shard writer; `encode.py` what the workers run; `shards.py` the file format.
 - **Parallelism**: the main process reads documents and groups them into tasks of about `task_chars` characters;
   `--num_proc` spawned workers encode a task with plain `encode_ordinary` calls into one numpy array (see
   `encode.py` for why not `encode_ordinary_batch` or `Dataset.map`). A document longer than a task is cut at safe
@@ -46,7 +48,6 @@ import argparse
 import contextlib
 import hashlib
 import logging
-import multiprocessing
 import os
 import re
 import shutil
@@ -54,21 +55,20 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from accel_gpt.data import shards
-from accel_gpt.data.encode import EncoderSpec, encode_pieces, split_document, unique_chars
+from accel_gpt.data.encode import EncoderSpec, encode_pieces, unique_chars
+from accel_gpt.data.pipeline import STATE_FILE, Resume, State, StreamWriter, make_tasks, ordered_map
 from accel_gpt.errors import ConfigError, DataError, UserError
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = ".prepare_state.json"
 # ~1M characters is ~0.3M GPT-2 tokens, 0.1-0.2 s of encoding: large enough that pickling and queueing a task cost
 # ~1% of it, small enough that 2 * num_proc tasks in flight hold only a few MB.
 TASK_CHARS = 1 << 20
@@ -302,7 +302,8 @@ def _load_split(source: Source, split: str, opts: PrepareOptions) -> Any:
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - datasets raises many types for bad input; each becomes one line
-        raise DataError(_load_error(label, e)) from None
+        offline = source.kind == "hub" and datasets.config.HF_HUB_OFFLINE
+        raise DataError(_load_error(label, e) + (" (HF_HUB_OFFLINE is set)" if offline else "")) from None
     finally:
         if quiet:
             datasets.enable_progress_bars()
@@ -413,9 +414,6 @@ class Stream:
     split: str
     val_tokens: int = 0
 
-    def split_at(self, position: int) -> str:
-        return "val" if position < self.val_tokens else self.split
-
 
 def _open_streams(source: Source, opts: PrepareOptions) -> list[Stream]:
     """The passes this process makes, in output order; validation comes from part 0 only."""
@@ -458,190 +456,6 @@ def _iter_texts(ds: Any, column: str, start: int) -> Iterator[str]:
                 yield "" if text is None else text  # a null text is an empty document
     except (datasets.exceptions.DatasetGenerationError, pa.ArrowInvalid, UnicodeDecodeError) as e:
         raise DataError(_load_error("the dataset", e)) from None
-
-
-@dataclass
-class Task:
-    """Pieces of documents for one worker call: `first` marks a document's first piece, `docs` its row index."""
-
-    texts: list[str] = field(default_factory=list)
-    first: list[bool] = field(default_factory=list)
-    docs: list[int] = field(default_factory=list)
-    chars: int = 0
-
-
-def make_tasks(texts: Iterable[str], first_doc: int, task_chars: int) -> Iterator[Task]:
-    """Group documents into tasks of at most `task_chars` characters; cut longer documents into safe pieces (a
-    document without a safe cut stays whole and makes an oversized task)."""
-    task = Task()
-    for doc, text in enumerate(texts, start=first_doc):
-        pieces = split_document(text, task_chars) if len(text) > task_chars else [text]
-        for k, piece in enumerate(pieces):
-            if task.texts and task.chars + len(piece) > task_chars:
-                yield task
-                task = Task()
-            task.texts.append(piece)
-            task.first.append(k == 0)
-            task.docs.append(doc)
-            task.chars += len(piece)
-            if task.chars >= task_chars:
-                yield task
-                task = Task()
-    if task.texts:
-        yield task
-
-
-def _parallel(fn: Callable, spec: EncoderSpec, tasks: Iterable[Task], num_proc: int) -> Iterator[tuple[Task, Any]]:
-    """`fn(spec, texts, first)` over the tasks, results in task order, at most 2 * num_proc tasks in flight.
-
-    `Pool.imap` would read the whole task iterator ahead (its feeder thread does not wait), which breaks the memory
-    bound with --streaming; this keeps a short queue of `apply_async` results instead. Workers are spawned, not
-    forked: the parent holds pyarrow threads, and the workers need only numpy and tiktoken.
-    """
-    if num_proc == 1:
-        for task in tasks:
-            yield task, fn(spec, task.texts, task.first)
-        return
-    with multiprocessing.get_context("spawn").Pool(num_proc) as pool:
-        pending: deque = deque()
-        for task in tasks:
-            pending.append((task, pool.apply_async(fn, (spec, task.texts, task.first))))
-            if len(pending) >= 2 * num_proc:
-                done, result = pending.popleft()
-                yield done, result.get()
-        while pending:
-            done, result = pending.popleft()
-            yield done, result.get()
-
-
-# --- resume state and the shard writer ---------------------------------------------------------------------------
-
-
-@dataclass
-class Resume:
-    """Where a stream stands: `position` tokens of stream `stream` are in shards; they end `offset` tokens into
-    document `doc` (the document of the last written token, so 0 < offset <= its length, or all zero at the start).
-    """
-
-    stream: int = 0
-    doc: int = 0
-    offset: int = 0
-    position: int = 0
-
-
-@dataclass
-class State:
-    """What `.prepare_state.json` holds: the arguments, the char vocabulary, the finished shards, the resume point."""
-
-    identity: dict[str, Any]
-    chars: str | None = None
-    shards: list[dict[str, Any]] = field(default_factory=list)  # split, file, tokens, sha256, documents, resume
-    resume: Resume = field(default_factory=Resume)
-
-    def save(self, data_dir: Path) -> None:
-        shards.write_json(data_dir / STATE_FILE, asdict(self))
-
-    @classmethod
-    def load(cls, data_dir: Path) -> State | None:
-        import json
-
-        path = data_dir / STATE_FILE
-        if not path.is_file():
-            return None
-        raw = json.loads(path.read_text())
-        return cls(raw["identity"], raw["chars"], raw["shards"], Resume(**raw["resume"]))
-
-    def count(self, split: str) -> int:
-        return sum(1 for e in self.shards if e["split"] == split)
-
-    def totals(self, key: str) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for e in self.shards:
-            out[e["split"]] = out.get(e["split"], 0) + e[key]
-        return out
-
-
-class StreamWriter:
-    """Cuts one stream's tokens into fixed-size shards of the splits it feeds, and after each finished shard saves
-    the state with the point to resume from.
-
-    Positions are token offsets in the stream. A document is counted in the shard holding its first token.
-    """
-
-    def __init__(self, data_dir: Path, spec: EncoderSpec, shard_size: int, stream: Stream, index: int, state: State):
-        self.data_dir, self.spec, self.shard_size = data_dir, spec, shard_size
-        self.stream, self.index, self.state = stream, index, state
-        r = state.resume
-        self.pos = r.position - r.offset  # the first token to arrive begins document r.doc
-        self.skip_until = r.position  # tokens before this are in shards already
-        self.doc_begin = self.pos  # where the document of the next continuation piece began
-        self.shard: shards.ShardFile | None = None
-        self.shard_split, self.shard_end, self.shard_docs = "", 0, 0
-
-    def feed(self, task: Task, tokens: np.ndarray, lengths: np.ndarray) -> int:
-        """Write one task's tokens; return how many went to shards (fewer while skipping to the resume point)."""
-        base = self.pos
-        ends = base + np.cumsum(lengths)
-        begins = ends - lengths
-        first = np.asarray(task.first, dtype=bool)
-        owner = np.where(first, np.arange(first.size), -1)  # index of each piece's document's first piece here
-        np.maximum.accumulate(owner, out=owner)
-        doc_begin = np.where(owner >= 0, begins[np.maximum(owner, 0)], self.doc_begin)
-        starts = begins[first & (lengths > 0)]  # documents that own at least one token
-        i = int(min(tokens.size, max(0, self.skip_until - base)))
-        written = 0
-        while i < tokens.size:
-            pos = base + i
-            if self.shard is None:
-                self._open(pos)
-            take = min(tokens.size - i, self.shard_end - pos)
-            self.shard.write(tokens[i : i + take])
-            self.shard_docs += int(np.searchsorted(starts, pos + take) - np.searchsorted(starts, pos))
-            i += take
-            written += take
-            if pos + take == self.shard_end:
-                j = int(np.searchsorted(ends, pos + take - 1, side="right"))  # piece holding the last written token
-                self._commit(Resume(self.index, task.docs[j], pos + take - int(doc_begin[j]), pos + take))
-        self.pos = base + tokens.size
-        if first.size:
-            self.doc_begin = int(doc_begin[-1])
-        return written
-
-    def finish(self) -> None:
-        """End of the stream: close the last, shorter shard and point the state at the next stream."""
-        if self.skip_until > self.pos:
-            raise DataError(
-                f"the input gives fewer tokens ({self.pos:,}) than an earlier, interrupted run of this prepare already "
-                f"wrote ({self.skip_until:,}): it changed since; delete '{self.data_dir}' and prepare again"
-            )
-        nxt = Resume(self.index + 1)
-        if self.shard is not None:
-            self._commit(nxt)
-        else:
-            self.state.resume = nxt
-            self.state.save(self.data_dir)
-
-    def abort(self) -> None:
-        if self.shard is not None:
-            self.shard.abort()
-            self.shard = None
-
-    def _open(self, pos: int) -> None:
-        split = self.stream.split_at(pos)
-        self.shard = shards.ShardFile(self.data_dir, split, self.state.count(split), self.spec.dtype)
-        self.shard_split, self.shard_docs = split, 0
-        self.shard_end = pos + self.shard_size
-        if split == "val" and self.stream.val_tokens:
-            self.shard_end = min(self.shard_end, self.stream.val_tokens)
-
-    def _commit(self, resume: Resume) -> None:
-        entry = self.shard.close()
-        self.shard = None
-        self.state.shards.append(
-            {"split": self.shard_split, **entry, "documents": self.shard_docs, "resume": asdict(resume)}
-        )
-        self.state.resume = resume
-        self.state.save(self.data_dir)
 
 
 # --- the command -------------------------------------------------------------------------------------------------
@@ -748,6 +562,7 @@ def _verify_finished(opts: PrepareOptions, start: float) -> Summary:
             shards.verify_split(data_dir, manifest, split)
         except DataError as e:
             raise DataError(f"{e}; delete '{data_dir}' and prepare again") from None
+    (data_dir / STATE_FILE).unlink(missing_ok=True)  # left if a kill came between the manifest and its removal
     if opts.num_shards > 1:
         _merge_if_complete(opts.out_dir, opts.num_shards)
     return _summary("already prepared", data_dir, manifest, time.perf_counter() - start)
@@ -800,7 +615,7 @@ def _encoder_spec(opts: PrepareOptions, streams: list[Stream], state: State) -> 
         seen: set[str] = set()
         for stream in streams:
             tasks = make_tasks(_iter_texts(stream.dataset, opts.text_column, 0), 0, opts.task_chars)
-            for _, chars in _parallel(_task_chars, EncoderSpec("char"), tasks, opts.num_proc):
+            for _, chars in ordered_map(_task_chars, EncoderSpec("char"), tasks, opts.num_proc):
                 seen.update(chars)
         if not seen:
             raise DataError(f"'{opts.dataset}' has no text (every document is empty)")
@@ -822,9 +637,9 @@ def _write_streams(opts: PrepareOptions, streams: list[Stream], spec: EncoderSpe
             stream = streams[index]
             first_doc = state.resume.doc
             tasks = make_tasks(_iter_texts(stream.dataset, opts.text_column, first_doc), first_doc, opts.task_chars)
-            writer = StreamWriter(opts.data_dir, spec, opts.shard_size, stream, index, state)
+            writer = StreamWriter(opts.data_dir, spec, opts.shard_size, stream.split, stream.val_tokens, index, state)
             try:
-                for task, (tokens, lengths) in _parallel(encode_pieces, spec, tasks, opts.num_proc):
+                for task, (tokens, lengths) in ordered_map(encode_pieces, spec, tasks, opts.num_proc):
                     bar.update(writer.feed(task, tokens, lengths))
                     bar.set_postfix_str(f"{stream.split} doc {task.docs[-1] + 1:,}", refresh=False)
                 writer.finish()
@@ -834,7 +649,9 @@ def _write_streams(opts: PrepareOptions, streams: list[Stream], spec: EncoderSpe
 
 def _manifest(opts: PrepareOptions, source: Source, spec: EncoderSpec, state: State) -> dict[str, Any]:
     """The manifest of a finished prepare; an error if there is nothing to train on."""
-    tokens, documents = state.totals("tokens"), state.totals("documents")
+    train_first = {"train": 0, "val": 1}
+    tokens = dict(sorted(state.totals("tokens").items(), key=lambda kv: train_first.get(kv[0], 2)))
+    documents = dict(sorted(state.totals("documents").items(), key=lambda kv: train_first.get(kv[0], 2)))
     text_tokens = sum(tokens.values()) - (sum(documents.values()) if spec.eot_token is not None else 0)
     if text_tokens == 0:
         raise DataError(f"'{opts.dataset}' has no text (every document is empty)")
@@ -858,7 +675,7 @@ def _manifest(opts: PrepareOptions, source: Source, spec: EncoderSpec, state: St
         eot_position="before_each_document" if spec.eot_token is not None else None,
         vocab_size=spec.vocab_size,
         dtype=np.dtype(spec.dtype).name,
-        splits=dict(sorted(splits.items(), key=lambda kv: kv[0] != "train")),
+        splits=dict(sorted(splits.items(), key=lambda kv: train_first.get(kv[0], 2))),
         tokens=tokens,
         documents=documents,
         source=source_info,

@@ -1,0 +1,204 @@
+"""The datasets-free machinery of `prepare`: document tasks, the ordered worker pool, and the shard writer that
+records after every shard where a killed run resumes.
+
+A *stream* is one pass over one split of the input: the tokens of its documents back to back (`encode.py` puts EOT
+before each gpt2 document). Positions are token offsets in the stream. The writer cuts the stream into fixed-size
+shards; the first `val_tokens` tokens go to 'val', the rest to the stream's split.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from accel_gpt.data import shards
+from accel_gpt.data.encode import EncoderSpec, split_document
+from accel_gpt.errors import DataError
+
+STATE_FILE = ".prepare_state.json"
+
+
+@dataclass
+class Task:
+    """Pieces of documents for one worker call: `first` marks a document's first piece, `docs` its row index."""
+
+    texts: list[str] = field(default_factory=list)
+    first: list[bool] = field(default_factory=list)
+    docs: list[int] = field(default_factory=list)
+    chars: int = 0
+
+
+def make_tasks(texts: Iterable[str], first_doc: int, task_chars: int) -> Iterator[Task]:
+    """Group documents into tasks of at most `task_chars` characters; cut longer documents into safe pieces (a
+    document without a safe cut stays whole and makes an oversized task)."""
+    task = Task()
+    for doc, text in enumerate(texts, start=first_doc):
+        pieces = split_document(text, task_chars) if len(text) > task_chars else [text]
+        for k, piece in enumerate(pieces):
+            if task.texts and task.chars + len(piece) > task_chars:
+                yield task
+                task = Task()
+            task.texts.append(piece)
+            task.first.append(k == 0)
+            task.docs.append(doc)
+            task.chars += len(piece)
+            if task.chars >= task_chars:
+                yield task
+                task = Task()
+    if task.texts:
+        yield task
+
+
+def ordered_map(fn: Callable, spec: EncoderSpec, tasks: Iterable[Task], num_proc: int) -> Iterator[tuple[Task, Any]]:
+    """`fn(spec, texts, first)` over the tasks, results in task order, at most 2 * num_proc tasks in flight.
+
+    `Pool.imap` would read the whole task iterator ahead (its feeder thread does not wait), which breaks the memory
+    bound with --streaming; this keeps a short queue of `apply_async` results instead. Workers are spawned, not
+    forked: the parent holds pyarrow threads, and the workers need only numpy and tiktoken.
+    """
+    if num_proc == 1:
+        for task in tasks:
+            yield task, fn(spec, task.texts, task.first)
+        return
+    with multiprocessing.get_context("spawn").Pool(num_proc) as pool:
+        pending: deque = deque()
+        for task in tasks:
+            pending.append((task, pool.apply_async(fn, (spec, task.texts, task.first))))
+            if len(pending) >= 2 * num_proc:
+                done, result = pending.popleft()
+                yield done, result.get()
+        while pending:
+            done, result = pending.popleft()
+            yield done, result.get()
+
+
+@dataclass
+class Resume:
+    """Where a stream stands: `position` tokens of stream `stream` are in shards; they end `offset` tokens into
+    document `doc` (the document of the last written token, so 0 < offset <= its length, or all zero at the start).
+    """
+
+    stream: int = 0
+    doc: int = 0
+    offset: int = 0
+    position: int = 0
+
+
+@dataclass
+class State:
+    """What `.prepare_state.json` holds: the arguments, the char vocabulary, the finished shards, the resume point."""
+
+    identity: dict[str, Any]
+    chars: str | None = None
+    shards: list[dict[str, Any]] = field(default_factory=list)  # split, file, tokens, sha256, documents, resume
+    resume: Resume = field(default_factory=Resume)
+
+    def save(self, data_dir: Path) -> None:
+        shards.write_json(data_dir / STATE_FILE, asdict(self))
+
+    @classmethod
+    def load(cls, data_dir: Path) -> State | None:
+        path = data_dir / STATE_FILE
+        if not path.is_file():
+            return None
+        raw = json.loads(path.read_text())
+        return cls(raw["identity"], raw["chars"], raw["shards"], Resume(**raw["resume"]))
+
+    def count(self, split: str) -> int:
+        return sum(1 for e in self.shards if e["split"] == split)
+
+    def totals(self, key: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self.shards:
+            out[e["split"]] = out.get(e["split"], 0) + e[key]
+        return out
+
+
+class StreamWriter:
+    """Cuts stream `index` into fixed-size shards ('val' below `val_tokens`, then `split`), and after each finished
+    shard saves the state with the point to resume from. A document is counted in the shard holding its first token.
+    """
+
+    def __init__(
+        self, data_dir: Path, spec: EncoderSpec, shard_size: int, split: str, val_tokens: int, index: int, state: State
+    ):
+        self.data_dir, self.spec, self.shard_size = data_dir, spec, shard_size
+        self.split, self.val_tokens, self.index, self.state = split, val_tokens, index, state
+        r = state.resume
+        self.pos = r.position - r.offset  # the first token to arrive begins document r.doc
+        self.skip_until = r.position  # tokens before this are in shards already
+        self.doc_begin = self.pos  # where the document of the next continuation piece began
+        self.shard: shards.ShardFile | None = None
+        self.shard_split, self.shard_end, self.shard_docs = "", 0, 0
+
+    def feed(self, task: Task, tokens: np.ndarray, lengths: np.ndarray) -> int:
+        """Write one task's tokens; return how many went to shards (fewer while skipping to the resume point)."""
+        base = self.pos
+        ends = base + np.cumsum(lengths)
+        begins = ends - lengths
+        first = np.asarray(task.first, dtype=bool)
+        owner = np.where(first, np.arange(first.size), -1)  # index of each piece's document's first piece here
+        np.maximum.accumulate(owner, out=owner)
+        doc_begin = np.where(owner >= 0, begins[np.maximum(owner, 0)], self.doc_begin)
+        starts = begins[first & (lengths > 0)]  # documents that own at least one token
+        i = int(min(tokens.size, max(0, self.skip_until - base)))
+        written = 0
+        while i < tokens.size:
+            pos = base + i
+            if self.shard is None:
+                self._open(pos)
+            take = min(tokens.size - i, self.shard_end - pos)
+            self.shard.write(tokens[i : i + take])
+            self.shard_docs += int(np.searchsorted(starts, pos + take) - np.searchsorted(starts, pos))
+            i += take
+            written += take
+            if pos + take == self.shard_end:
+                j = int(np.searchsorted(ends, pos + take - 1, side="right"))  # piece holding the last written token
+                self._commit(Resume(self.index, task.docs[j], pos + take - int(doc_begin[j]), pos + take))
+        self.pos = base + tokens.size
+        if first.size:
+            self.doc_begin = int(doc_begin[-1])
+        return written
+
+    def finish(self) -> None:
+        """End of the stream: close the last, shorter shard and point the state at the next stream."""
+        if self.skip_until > self.pos:
+            raise DataError(
+                f"the input gives fewer tokens ({self.pos:,}) than an earlier, interrupted run of this prepare already "
+                f"wrote ({self.skip_until:,}): it changed since; delete '{self.data_dir}' and prepare again"
+            )
+        nxt = Resume(self.index + 1)
+        if self.shard is not None:
+            self._commit(nxt)
+        else:
+            self.state.resume = nxt
+            self.state.save(self.data_dir)
+
+    def abort(self) -> None:
+        if self.shard is not None:
+            self.shard.abort()
+            self.shard = None
+
+    def _open(self, pos: int) -> None:
+        split = "val" if pos < self.val_tokens else self.split
+        self.shard = shards.ShardFile(self.data_dir, split, self.state.count(split), self.spec.dtype)
+        self.shard_split, self.shard_docs = split, 0
+        self.shard_end = pos + self.shard_size
+        if split == "val" and self.val_tokens:
+            self.shard_end = min(self.shard_end, self.val_tokens)
+
+    def _commit(self, resume: Resume) -> None:
+        entry = self.shard.close()
+        self.shard = None
+        self.state.shards.append(
+            {"split": self.shard_split, **entry, "documents": self.shard_docs, "resume": asdict(resume)}
+        )
+        self.state.resume = resume
+        self.state.save(self.data_dir)
