@@ -12,6 +12,7 @@ Two facts shape the hot path (measured, see ../../bench/RESULTS.md):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -39,16 +40,19 @@ def split_document(text: str, max_chars: int) -> list[str]:
     A text without any such position stays whole. `tests/test_prepare.py` checks the equality on real and
     adversarial text.
     """
-    pieces = []
+    return list(iter_pieces(text, max_chars))
+
+
+def iter_pieces(text: str, max_chars: int) -> Iterator[str]:
+    """`split_document` one piece at a time, so a huge document is not held twice (whole and in pieces)."""
     start = 0
     while len(text) - start > max_chars:
         cut = _safe_cut(text, start, start + max_chars)
         if cut is None:
             break
-        pieces.append(text[start:cut])
+        yield text[start:cut]
         start = cut
-    pieces.append(text[start:])
-    return pieces
+    yield text[start:]
 
 
 def _safe_cut(text: str, lo: int, target: int) -> int | None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from accel_gpt.data import shards
-from accel_gpt.data.encode import EncoderSpec, split_document
+from accel_gpt.data.encode import EncoderSpec, iter_pieces
 from accel_gpt.errors import DataError
 
 STATE_FILE = ".prepare_state.json"
@@ -40,7 +40,7 @@ def make_tasks(texts: Iterable[str], first_doc: int, task_chars: int) -> Iterato
     document without a safe cut stays whole and makes an oversized task)."""
     task = Task()
     for doc, text in enumerate(texts, start=first_doc):
-        pieces = split_document(text, task_chars) if len(text) > task_chars else [text]
+        pieces = iter_pieces(text, task_chars) if len(text) > task_chars else (text,)
         for k, piece in enumerate(pieces):
             if task.texts and task.chars + len(piece) > task_chars:
                 yield task

@@ -340,8 +340,8 @@ def _load(source: Source, split: str, opts: PrepareOptions) -> Any:
 
 def _load_error(label: str, e: BaseException) -> str:
     """One line from a `datasets` exception chain; an empty file shows up as a schema-inference failure."""
-    chain = []
-    while e is not None:
+    chain: list[BaseException] = []
+    while e is not None and e not in chain:
         chain.append(e)
         e = e.__cause__ or e.__context__
     if any(type(x).__name__ == "SchemaInferenceError" for x in chain):
@@ -479,7 +479,8 @@ class Summary:
             for split in sorted(self.tokens, key=lambda s: s != "train")
         )
         total = sum(self.tokens.values())
-        rate = f", {total / self.seconds / 1e6:.2f}M tokens/s" if self.status != "already prepared" else ""
+        tokenized = self.status in ("prepared", "resumed and prepared")
+        rate = f", {total / self.seconds / 1e6:.2f}M tokens/s" if tokenized else ""
         return (
             f"{self.status}: {sum(self.documents.values()):,} documents, {total:,} tokens ({per_split}) "
             f"in {self.seconds:.1f}s{rate} -> {self.out_dir}"
@@ -706,7 +707,7 @@ def merge_parts(out_dir: Path, checksums: bool = True) -> dict[str, Any]:
         raise DataError(f"no part-*-of-* folders in '{out_dir}' to merge")
     counts = {k for _, k in found.values()}
     if len(counts) > 1:
-        raise DataError(f"'{out_dir}' holds parts of different splits ({', '.join(sorted(found))}); keep one set")
+        raise DataError(f"'{out_dir}' holds parts of different part counts ({', '.join(sorted(found))}); keep one set")
     (count,) = counts
     names = [shards.part_dir_name(i, count) for i in range(count)]
     missing = [n for n in names if not (out_dir / n / shards.MANIFEST).is_file()]
