@@ -406,6 +406,42 @@ def test_killed_prepare_resumes_to_identical_bytes(tmp_path: Path, shakespeare_p
     assert files_of(out) == files_of(tmp_path / "reference")
 
 
+class Interrupt(Exception):
+    """Stands in for a crash: not a UserError, so prepare keeps what it wrote."""
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "char"])
+def test_interrupted_inside_long_documents_resumes_exactly(
+    tokenizer: str, tmp_path: Path, shakespeare_path: Path, monkeypatch
+) -> None:
+    """Shards end inside documents that are cut into many pieces: the resume point (document, offset) must be exact."""
+    from accel_gpt.data import pipeline
+
+    text = shakespeare_path.read_text()
+    src = _save_jsonl(tmp_path / "long_docs.jsonl", [text[:200_000], "short", text[200_000:500_000]])
+    base = dict(tokenizer=tokenizer, shard_size=7_001, val_tokens=10_000, task_chars=20_000)
+    if tokenizer == "char":
+        base["shard_size"] = 23_003
+    prepare(opts(tmp_path, src, "reference", **base))
+    commit = pipeline.StreamWriter._commit
+    for stop_after in (1, 4, 11):
+        calls = {"n": 0}
+
+        def crashing_commit(self, resume, calls=calls, stop_after=stop_after):
+            commit(self, resume)
+            calls["n"] += 1
+            if calls["n"] == stop_after:
+                raise Interrupt
+
+        out = f"stop{stop_after}"
+        monkeypatch.setattr(pipeline.StreamWriter, "_commit", crashing_commit)
+        with pytest.raises(Interrupt):
+            prepare(opts(tmp_path, src, out, **base))
+        monkeypatch.setattr(pipeline.StreamWriter, "_commit", commit)
+        assert prepare(opts(tmp_path, src, out, **base)).status == "resumed and prepared"
+        assert files_of(tmp_path / out) == files_of(tmp_path / "reference"), stop_after
+
+
 def _wait_for_shards(out: Path, proc: subprocess.Popen, at_least: int, timeout: float = 120) -> list[dict]:
     """Poll the state file until `at_least` shards are recorded (a real crash point, not a simulated one)."""
     deadline = time.monotonic() + timeout
