@@ -1,0 +1,315 @@
+"""Shared pieces of the benchmarks: benchmark data, child-process runs of both sides, statistics, tables.
+
+Every measured run is a fresh child process (`worker.py`), for two reasons: both sides then start from the
+same state (allocator, thread pool, compile caches in memory), and the parent can give both exactly the
+same environment (threads, glibc malloc settings). The two sides alternate (A B, B A, ...) so that the
+machine's drift (FACTS.md: ~16% between calls) falls on both alike.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "bench" / "worker.py"
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+TIKTOKEN_CACHE = REPO.parent / "shared" / "tiktoken_cache"
+BENCH_DIR = REPO / "runs" / "bench"  # /runs/ is git-ignored
+
+# Flags that turn off everything but training steps: the benchmark times the step, not eval or saving.
+STEP_ONLY_FLAGS = ["--eval_every", "0", "--save_every", "0", "--hellaswag_every", "0", "--log_with", "none"]
+
+# glibc mallopt parameters (malloc.h); "large" trim threshold = the largest value mallopt's int takes.
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+LARGE_TRIM_THRESHOLD = 2**31 - 1
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(LARGE_TRIM_THRESHOLD)}
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+def ensure_data(data_dir: str | None) -> tuple[Path, str]:
+    """A prepared data dir for the benchmark and a word on where it came from.
+
+    Throughput does not depend on which tokens are read, so without tiny Shakespeare or the tiktoken
+    files (a GPU machine may have neither) random GPT-2 token ids stand in, and the output says so.
+    """
+    if data_dir:
+        return Path(data_dir), f"given ({data_dir})"
+    shakespeare = BENCH_DIR / "data-shakespeare"
+    if (shakespeare / "manifest.json").is_file():
+        return shakespeare, "tiny Shakespeare, GPT-2 tokens"
+    if SHAKESPEARE.is_file() and TIKTOKEN_CACHE.is_dir():  # offline: tiktoken would try to download
+        try:
+            return write_shards(shakespeare, shakespeare_tokens()), "tiny Shakespeare, GPT-2 tokens"
+        except Exception as e:  # no BPE files offline: fall through to synthetic tokens
+            print(f"note: cannot tokenize {SHAKESPEARE} ({type(e).__name__}: {e}); using random tokens", flush=True)
+    synthetic = BENCH_DIR / "data-synthetic"
+    if not (synthetic / "manifest.json").is_file():
+        import numpy as np
+
+        write_shards(synthetic, np.random.default_rng(0).integers(0, 50257, size=2_000_000).tolist())
+    return synthetic, "synthetic: 2M uniform random GPT-2 token ids"
+
+
+def shakespeare_tokens() -> list[int]:
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
+    import tiktoken
+
+    return tiktoken.get_encoding("gpt2").encode_ordinary(SHAKESPEARE.read_text())
+
+
+def write_shards(data_dir: Path, tokens: list[int]) -> Path:
+    """One train and one val shard (last 10%) in the `prepare` format, via accel_gpt's own writers."""
+    import numpy as np
+
+    from accel_gpt.data.shards import write_manifest, write_shard
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    arr = np.asarray(tokens, dtype=np.uint16)
+    cut = len(arr) * 9 // 10
+    splits = {
+        "train": [write_shard(data_dir, "train", 0, arr[:cut])],
+        "val": [write_shard(data_dir, "val", 0, arr[cut:])],
+    }
+    manifest = {"tokenizer": "gpt2", "eot_token": 50256, "vocab_size": 50257, "dtype": "uint16", "splits": splits}
+    write_manifest(data_dir, manifest)
+    return data_dir
+
+
+# ------------------------------------------------------------------------------------------ allocator
+
+
+def tune_glibc_malloc() -> bool:
+    """Keep freed large buffers inside the process instead of returning them to the OS (glibc only).
+
+    glibc serves every block above its mmap threshold (32 MiB at most) with a fresh mmap and unmaps it on
+    free, so a training step that frees and reallocates the same large activations (the tiny preset's
+    16x64x50304 logits are 206 MB) page-faults and zero-fills them again every step. No mmap and a large
+    trim threshold keep them: measured 1.47x on a plain CPU loop (FACTS.md), at +34% peak memory.
+    Settings the user already chose through the environment win. Returns whether the settings were applied.
+    """
+    if any(k in os.environ for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - raises AttributeError where the C library is not glibc
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    # mallopt returns 1 on success; set the trim threshold first so no step sees mmap off with trimming on.
+    return bool(mallopt(M_TRIM_THRESHOLD, LARGE_TRIM_THRESHOLD)) and bool(mallopt(M_MMAP_MAX, 0))
+
+
+def child_env(threads: int | None, malloc: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment both sides run under: same threads, same allocator settings, offline.
+
+    `malloc`: "default" (glibc as it comes), "env" (MALLOC_ENV for the whole process) or "mallopt" (the
+    worker calls tune_glibc_malloc() at start-up, as the trainer could; see Spec.worker_flags).
+    """
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV and k != "GLIBC_TUNABLES"}
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["ACCELERATE_MIXED_PRECISION"] = "no"  # CPU: fp32 like the plain side; on GPU the launch config overrides
+    env.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    # One fresh compile cache per benchmark invocation: its first compiling run shows the cold compile time,
+    # later runs the warm one (the cache a user's second run hits).
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache() / "inductor")
+    env["TRITON_CACHE_DIR"] = str(compile_cache() / "triton")
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    if malloc == "env":
+        env.update(MALLOC_ENV)
+    env.update(extra or {})
+    return env
+
+
+@functools.cache
+def compile_cache() -> Path:
+    path = BENCH_DIR / "compile-cache"
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+
+class ChildFailed(RuntimeError):
+    """A child run exited non-zero; `log` is everything it printed (OOM detection reads it)."""
+
+    def __init__(self, message: str, log: str) -> None:
+        super().__init__(f"{message}\n{log[-3000:]}")
+        self.log = log
+
+
+@dataclass
+class Spec:
+    """One measured child run: which side, which train flags, under which launch and environment."""
+
+    side: str  # "accel_gpt" (run.py train) or "plain" (bench/plain_loop.py)
+    label: str
+    train_args: list[str]  # --config ... --field value ...: the same for both sides
+    warmup: int
+    steps: int
+    env: dict[str, str]
+    cuda: bool = False
+    num_processes: int = 1
+    worker_flags: list[str] = field(default_factory=list)  # --mallopt, --patch ...
+
+
+@dataclass
+class Result:
+    """What one child run measured. Step times are per optimizer step, warm-up excluded."""
+
+    spec: Spec
+    step_seconds: list[float]
+    warmup_seconds: list[float]
+    tokens_per_step: int
+    report: dict[str, Any]  # the worker's report: peak memory, device, threads, flops per token, ...
+    wall_seconds: float
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens_per_step / statistics.median(self.step_seconds)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Warm-up time beyond that of ordinary steps: compilation, first-touch allocations."""
+        return sum(self.warmup_seconds) - len(self.warmup_seconds) * statistics.median(self.step_seconds)
+
+
+def side_specs(
+    train_args: list[str], *, cuda: bool, warmup: int, steps: int, env: dict[str, str], malloc: str, suffix: str = ""
+) -> list[Spec]:
+    """accel_gpt (run.py train) and the plain loop on the same flags: bf16 on GPU (the launch config for
+    accel_gpt, autocast for plain), fp32 on CPU."""
+    flags = ["--mallopt"] if malloc == "mallopt" else []
+    return [
+        Spec("accel_gpt", f"accel_gpt{suffix}", train_args, warmup, steps, env, cuda=cuda, worker_flags=flags),
+        Spec(
+            "plain", f"plain{suffix}", train_args, warmup, steps, env, cuda=cuda, worker_flags=flags + ["--bf16"] * cuda
+        ),
+    ]
+
+
+def run_spec(spec: Spec, out_dir: Path) -> Result:
+    """Run one training side in a child process and read its per-step times."""
+    train_args = [*spec.train_args, "--max_steps", str(spec.warmup + spec.steps), *STEP_ONLY_FLAGS]
+    report, wall = run_child(spec, train_args, out_dir)
+    seconds = step_seconds(report, out_dir / "run")
+    (out_dir / "run" / "model.safetensors").unlink(missing_ok=True)  # 0.5 GB for 124M: not needed
+    tokens = report["tokens_per_step"]
+    return Result(spec, seconds[spec.warmup :], seconds[: spec.warmup], tokens, report, wall)
+
+
+def run_child(spec: Spec, train_args: list[str], out_dir: Path) -> tuple[dict[str, Any], float]:
+    """`worker.py SIDE` in a fresh process (under `accelerate launch` for accel_gpt on GPU); its report."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    report_path = out_dir / "report.json"
+    train_args = [*train_args, "--out_dir", str(out_dir / "run")]
+    worker = [str(WORKER), spec.side, "--report", str(report_path), *spec.worker_flags, "--", *train_args]
+    cmd = [sys.executable, *worker]
+    if spec.side == "accel_gpt" and spec.cuda:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_flags(spec.num_processes), *worker]
+    t0 = time.perf_counter()
+    with open(out_dir / "log.txt", "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, env=spec.env, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise ChildFailed(
+            f"{spec.label} failed ({proc.returncode}): {' '.join(cmd)}", (out_dir / "log.txt").read_text()
+        )
+    return json.loads(report_path.read_text()), wall
+
+
+def launch_flags(num_processes: int) -> list[str]:
+    """`accelerate launch` with the repo's own launch configs (bf16; DDP for several GPUs)."""
+    config = "single_gpu.yaml" if num_processes == 1 else "multi_gpu.yaml"
+    flags = ["--config_file", str(REPO / "accelerate_configs" / config), "--num_processes", str(num_processes)]
+    return [*flags, "--main_process_port", str(free_port())]
+
+
+def step_seconds(report: dict[str, Any], run_dir: Path) -> list[float]:
+    """Seconds per optimizer step: the plain worker times them itself; for accel_gpt they come from the
+    metrics.jsonl rows it writes (tokens_per_sec is averaged over each log window)."""
+    if "step_seconds" in report:
+        return report["step_seconds"]
+    from accel_gpt.metrics import read_metrics
+
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "tokens_per_sec" in r]
+    return [report["tokens_per_step"] / r["tokens_per_sec"] for r in sorted(rows, key=lambda r: r["step"])]
+
+
+def alternate(specs: list[Spec], pairs: int, tag: str) -> list[Result]:
+    """Run the specs in turn `pairs` times, reversing the order every other round (A B, B A, ...)."""
+    results = []
+    for i in range(pairs):
+        order = specs if i % 2 == 0 else specs[::-1]
+        for spec in order:
+            result = run_spec(spec, BENCH_DIR / tag / f"{spec.label}-{i}")
+            print(f"  round {i + 1}/{pairs} {spec.label:<28} {fmt_rate(result.tokens_per_sec)} tok/s", flush=True)
+            results.append(result)
+    return results
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------- statistics
+
+
+def of(results: list[Result], label: str) -> list[Result]:
+    return [r for r in results if r.spec.label == label]
+
+
+def pooled_rate(results: list[Result]) -> float:
+    """Tokens/s from the median step time over all measured steps of these runs."""
+    tokens = results[0].tokens_per_step
+    return tokens / statistics.median(s for r in results for s in r.step_seconds)
+
+
+def pair_ratios(results: list[Result], a: str, b: str) -> list[float]:
+    """Per-round ratio a/b of tokens/s: each round ran both sides back to back."""
+    return [x.tokens_per_sec / y.tokens_per_sec for x, y in zip(of(results, a), of(results, b), strict=True)]
+
+
+def fmt_rate(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def fmt_bytes(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    lines = [
+        "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in [header, ["-" * w for w in widths], *rows]
+    ]
+    return "\n".join(lines)
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} CPUs"
