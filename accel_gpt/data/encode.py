@@ -140,8 +140,9 @@ def _codepoints(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
 
 
-def unique_chars(texts: list[str]) -> str:
-    """The distinct characters of the texts, sorted by code point (the char vocabulary's id order)."""
+def unique_chars(spec: EncoderSpec, texts: list[str], first: list[bool]) -> str:
+    """The distinct characters of the texts, sorted by code point (the char vocabulary's id order). Same signature as
+    `encode_pieces`, so the vocabulary pass runs on the same worker pool."""
     seen: set[str] = set()
     for text in texts:
         seen.update(text)

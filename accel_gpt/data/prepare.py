@@ -616,16 +616,12 @@ def _encoder_spec(opts: PrepareOptions, streams: list[Stream], state: State) -> 
         seen: set[str] = set()
         for stream in streams:
             tasks = make_tasks(_iter_texts(stream.dataset, opts.text_column, 0), 0, opts.task_chars)
-            for _, chars in ordered_map(_task_chars, EncoderSpec("char"), tasks, opts.num_proc):
+            for _, chars in ordered_map(unique_chars, EncoderSpec("char"), tasks, opts.num_proc):
                 seen.update(chars)
         if not seen:
             raise DataError(f"'{opts.dataset}' has no text (every document is empty)")
         state.chars = "".join(sorted(seen))
     return EncoderSpec("char", state.chars)
-
-
-def _task_chars(spec: EncoderSpec, texts: list[str], first: list[bool]) -> str:
-    return unique_chars(texts)
 
 
 def _write_streams(opts: PrepareOptions, streams: list[Stream], spec: EncoderSpec, state: State) -> None:
