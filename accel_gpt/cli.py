@@ -103,29 +103,49 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_sample(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("sample", help="generate text from a checkpoint")
+    p = sub.add_parser(
+        "sample",
+        help="generate text from a checkpoint",
+        description="Continue a prompt with a run dir, checkpoint dir, or transformers GPT-2 folder / hub id. "
+        "The same seed gives the same text.",
+    )
     p.add_argument("--checkpoint", required=True, help="run dir, checkpoint dir, or transformers GPT-2 folder/hub id")
-    p.add_argument("--prompt", default="\n", help="text to continue")
-    p.add_argument("--max_new_tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top_k", type=int, default=50, help="keep the k most likely tokens (0 = all)")
-    p.add_argument("--num_samples", type=int, default=1)
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--max_new_tokens", type=int, default=100, help="tokens to generate (default: 100)")
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="divides the logits: < 1 is more conservative (default: 1.0)"
+    )
+    p.add_argument("--top_k", type=int, default=50, help="keep the k most likely tokens (0 = all; default: 50)")
+    p.add_argument("--num_samples", type=int, default=1, help="independent continuations to print (default: 1)")
+    p.add_argument("--seed", type=int, default=1337, help="random seed: same seed, same text (default: 1337)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.set_defaults(run=lambda a: _call("accel_gpt.sample", "run_sample", a))
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write a transformers GPT2LMHeadModel folder (weights + tokenizer)")
+    p = sub.add_parser(
+        "export",
+        help="write a transformers GPT2LMHeadModel folder (weights + tokenizer)",
+        description="Write a folder that transformers' GPT2LMHeadModel.from_pretrained and "
+        "AutoTokenizer.from_pretrained load offline (models trained with the char tokenizer cannot be exported).",
+    )
     p.add_argument("--checkpoint", required=True, help="run dir or checkpoint dir")
-    p.add_argument("--out_dir", required=True, help="folder for from_pretrained")
+    p.add_argument("--out_dir", required=True, help="a new or empty folder for from_pretrained")
     p.set_defaults(run=lambda a: _call("accel_gpt.hf", "run_export", a))
 
 
 def _add_plot(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plot", help="PNG of loss, lr, HellaSwag and tokens/s over steps (runs overlaid)")
-    p.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
-    p.add_argument("--out", default="runs.png", help="output PNG (default: runs.png)")
+    p = sub.add_parser(
+        "plot",
+        help="PNG of loss, lr, HellaSwag and tokens/s over steps (runs overlaid)",
+        description="Draw train/val loss, learning rate, HellaSwag accuracy and tokens/s over optimizer steps from "
+        "each run's metrics.jsonl; several runs are overlaid, one colour per run, named by their directory. "
+        "Needs matplotlib: pip install 'accel_gpt[plot]'.",
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
+    p.add_argument(
+        "--out", default="runs.png", help="output file; .png (default: runs.png), .pdf or .svg picks the format"
+    )
     p.set_defaults(run=lambda a: _call("accel_gpt.plot", "run_plot", a))
 
 

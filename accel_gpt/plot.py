@@ -1,0 +1,181 @@
+"""`run.py plot`: one picture of how runs went, from their `metrics.jsonl` alone.
+
+Four panels over optimizer steps: train and val loss, learning rate, HellaSwag accuracy, tokens/s.
+Several runs are overlaid, one colour per run, named by their directory. matplotlib is an optional
+extra (`pip install accel_gpt[plot]`) and is imported only here; the figure is drawn with the Agg
+canvas directly (no pyplot), so no display or GUI backend is ever touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from accel_gpt.errors import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+FORMATS = (".png", ".pdf", ".svg")
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One metric of one run: the steps where it was logged and its values there."""
+
+    key: str
+    style: str  # matplotlib line style: solid for the headline metric, dashed for its companion
+    label: str  # what the line is within its panel ("train", "val", "acc_norm", ...)
+    markers: bool  # sparse metrics (evaluations) get markers so a single point still shows
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    ylabel: str
+    curves: tuple[Curve, ...]
+    empty_note: str  # shown instead of lines when no run logged any of the panel's metrics
+    baseline: tuple[float, str] | None = None  # a reference level drawn under the runs, with its label
+
+
+PANELS = (
+    Panel(
+        "loss",
+        "cross-entropy (nats/token)",
+        (Curve("loss", "-", "train", False), Curve("val_loss", "--", "val", True)),
+        "no loss logged",
+    ),
+    Panel("learning rate", "lr", (Curve("lr", "-", "lr", False),), "no learning rate logged"),
+    Panel(
+        "HellaSwag",
+        "accuracy",
+        (Curve("hellaswag_acc_norm", "-", "acc_norm", True), Curve("hellaswag_acc", ":", "acc", True)),
+        "no HellaSwag evaluations\n(train with --hellaswag_every N --hellaswag SRC)",
+        baseline=(0.25, "chance (1 in 4)"),  # four endings per example: a model that learned nothing
+    ),
+    Panel("throughput", "tokens/s", (Curve("tokens_per_sec", "-", "tokens/s", False),), "no throughput logged"),
+)
+
+
+@dataclass
+class RunMetrics:
+    label: str
+    rows: list[dict[str, Any]]  # one per step, sorted by step
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """Steps and values where `key` was logged (evaluation metrics appear on some steps only)."""
+        points = [(row["step"], row[key]) for row in self.rows if row.get(key) is not None]
+        return [s for s, _ in points], [v for _, v in points]
+
+
+def run_plot(args: argparse.Namespace) -> None:
+    """CLI entry: read the runs, draw, save; prints the path written."""
+    out = Path(args.out)
+    check_out_path(out)
+    require_matplotlib()
+    runs = load_runs([Path(d) for d in args.run_dirs])
+    figure = make_figure(runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, format=out.suffix[1:].lower(), dpi=110)
+    steps = max(run.rows[-1]["step"] for run in runs)
+    print(f"wrote {out} ({len(runs)} run{'s' if len(runs) > 1 else ''}, up to step {steps})")
+
+
+def require_matplotlib() -> None:
+    """matplotlib is an optional extra: say how to get it instead of showing an ImportError traceback."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("`plot` needs matplotlib: pip install 'accel_gpt[plot]' (or pip install matplotlib)") from None
+
+
+def check_out_path(out: Path) -> None:
+    """Fail before reading anything when the picture could not be written in the asked format."""
+    if out.suffix.lower() not in FORMATS:
+        raise UserError(f"--out {out}: the file name must end in {', '.join(FORMATS)} (the format follows it)")
+
+
+def load_runs(run_dirs: Sequence[Path]) -> list[RunMetrics]:
+    labels = run_labels(run_dirs)
+    return [RunMetrics(label, load_rows(run_dir)) for run_dir, label in zip(run_dirs, labels, strict=True)]
+
+
+def load_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """Rows of `run_dir/metrics.jsonl`, one per step (the last one wins if a step repeats), sorted by step."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        what = "does not exist" if not run_dir.exists() else "has no metrics.jsonl"
+        raise UserError(f"run dir '{run_dir}' {what}: expected a folder written by `run.py train`")
+    by_step = {row["step"]: row for row in read_jsonl(path) if isinstance(row, dict) and "step" in row}
+    if not by_step:
+        raise UserError(f"{path} holds no metrics rows yet (a run writes one per optimizer step)")
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def read_jsonl(path: Path) -> list[Any]:
+    """Parsed lines, skipping a torn one (a run killed mid-write). Not metrics.read_metrics: that module
+    imports torch, which would make plotting wait seconds for a library it never uses."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def run_labels(run_dirs: Sequence[Path]) -> list[str]:
+    """The directory name, or more of the path where two runs share a name (a/run vs b/run)."""
+    resolved = [d.resolve() for d in run_dirs]
+    for depth in range(1, max(len(p.parts) for p in resolved) + 1):
+        labels = ["/".join(p.parts[-depth:]) for p in resolved]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(d) for d in run_dirs]  # the same folder given twice: keep what the user typed
+
+
+def make_figure(runs: Sequence[RunMetrics]) -> Figure:
+    """A 2x2 grid of PANELS; each run keeps one colour across panels, the legends name runs and line styles."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(12, 8), layout="constrained")
+    FigureCanvasAgg(figure)
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for ax, panel in zip(figure.subplots(2, 2).flat, PANELS, strict=True):
+        draw_panel(ax, panel, runs, colors)
+    figure.suptitle(", ".join(run.label for run in runs) if len(runs) <= 3 else f"{len(runs)} runs")
+    return figure
+
+
+def draw_panel(ax: Axes, panel: Panel, runs: Sequence[RunMetrics], colors: Sequence[str]) -> None:
+    from matplotlib.ticker import EngFormatter
+
+    ax.set_title(panel.title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(alpha=0.3)
+    if panel.curves[0].key == "tokens_per_sec":
+        ax.yaxis.set_major_formatter(EngFormatter())
+    drawn = False
+    for run, color in zip(runs, colors, strict=True):
+        for curve in panel.curves:
+            steps, values = run.series(curve.key)
+            if not steps:
+                continue
+            label = run.label if len(panel.curves) == 1 else f"{run.label} {curve.label}"
+            marker = "o" if curve.markers else None
+            ax.plot(steps, values, curve.style, color=color, marker=marker, markersize=3, linewidth=1.2, label=label)
+            drawn = True
+    if drawn:
+        if panel.baseline is not None:
+            level, label = panel.baseline
+            ax.axhline(level, color="gray", linestyle="--", linewidth=0.8, label=label)
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, panel.empty_note, ha="center", va="center", transform=ax.transAxes, color="gray")

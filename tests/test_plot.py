@@ -1,0 +1,159 @@
+"""`run.py plot`: a real PNG from metrics.jsonl files shaped like the trainer's, runs overlaid, clear errors.
+
+The metrics rows here are written by the test (the quick-start test plots a real training run).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from accel_gpt.cli import main
+from accel_gpt.plot import load_rows, load_runs, make_figure, run_labels
+from tests.conftest import run_cmd
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(run_dir: Path, steps: int, hellaswag: bool, loss0: float = 10.8) -> Path:
+    """A run dir with one metrics row per step, evaluations every 4 steps, as train.py writes them."""
+    run_dir.mkdir(parents=True)
+    rows = []
+    for step in range(1, steps + 1):
+        row = {
+            "step": step,
+            "loss": loss0 - 0.3 * step,
+            "lr": 1e-3 * min(1.0, step / 3),
+            "grad_norm": 1.0,
+            "tokens_per_sec": 1000.0 + 10 * step,
+            "mfu": None,
+            "flops_per_sec": 1e9,
+        }
+        if step % 4 == 0:
+            row["val_loss"] = loss0 - 0.25 * step
+            if hellaswag:
+                row |= {"hellaswag_acc_norm": 0.25 + 0.01 * step, "hellaswag_acc": 0.24 + 0.01 * step}
+        rows.append(row)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from the IHDR chunk, which a valid PNG must start with."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, "not a PNG file"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def axes_by_title(figure) -> dict:
+    return {ax.get_title(): ax for ax in figure.axes}
+
+
+def test_plot_command_writes_png_with_every_run_overlaid(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "baseline", steps=12, hellaswag=True)
+    b = write_run(tmp_path / "bigger_lr", steps=8, hellaswag=False, loss0=9.0)
+    out = tmp_path / "plots" / "runs.png"  # the folder does not exist yet
+    # The CLI's own main() in a fresh interpreter, which then reports whether plotting pulled in torch.
+    script = f"import sys; from accel_gpt.cli import main; main({['plot', str(a), str(b), '--out', str(out)]!r}); "
+    proc = run_cmd([sys.executable, "-c", script + "print('torch' in sys.modules)"], timeout=120)
+    assert proc.stdout.splitlines() == [f"wrote {out} (2 runs, up to step 12)", "False"]  # no torch: starts fast
+    width, height = png_size(out)
+    assert (width, height) == (1320, 880)  # 12 x 8 inches at 110 dpi
+
+    import matplotlib.colors
+    import matplotlib.image
+    import numpy as np
+
+    pixels = matplotlib.image.imread(out)[..., :3]
+    for color in ("C0", "C1"):  # each run's colour is on the picture: both runs were drawn
+        rgb = np.array(matplotlib.colors.to_rgb(color))
+        assert (np.abs(pixels - rgb).max(axis=-1) < 0.02).sum() > 200, f"no {color} line in the PNG"
+
+
+def test_figure_panels_hold_each_runs_series(tmp_path: Path) -> None:
+    runs = load_runs(
+        [write_run(tmp_path / "a", 12, hellaswag=True), write_run(tmp_path / "b", 8, hellaswag=False, loss0=9.0)]
+    )
+    panels = axes_by_title(make_figure(runs))
+    assert set(panels) == {"loss", "learning rate", "HellaSwag", "throughput"}
+
+    loss_lines = {line.get_label(): line for line in panels["loss"].get_lines()}
+    assert set(loss_lines) == {"a train", "a val", "b train", "b val"}
+    assert list(loss_lines["a train"].get_xdata()) == list(range(1, 13))
+    assert list(loss_lines["a val"].get_xdata()) == [4, 8, 12]  # evaluation steps only
+    assert loss_lines["b val"].get_ydata()[-1] == pytest.approx(9.0 - 0.25 * 8)
+    # one colour per run, the same in every panel
+    assert loss_lines["a train"].get_color() == loss_lines["a val"].get_color()
+    assert loss_lines["a train"].get_color() != loss_lines["b train"].get_color()
+    lr_colors = {line.get_label(): line.get_color() for line in panels["learning rate"].get_lines()}
+    assert lr_colors == {"a": loss_lines["a train"].get_color(), "b": loss_lines["b train"].get_color()}
+
+    hellaswag = {line.get_label(): line for line in panels["HellaSwag"].get_lines()}
+    assert set(hellaswag) == {"a acc_norm", "a acc", "chance (1 in 4)"}  # run b has no HellaSwag rows
+    assert list(hellaswag["a acc_norm"].get_ydata()) == pytest.approx([0.29, 0.33, 0.37])
+    tokens = [line.get_label() for line in panels["throughput"].get_lines()]
+    assert tokens == ["a", "b"]
+
+
+def test_panel_without_data_says_how_to_get_it(tmp_path: Path) -> None:
+    panels = axes_by_title(make_figure(load_runs([write_run(tmp_path / "a", 4, hellaswag=False)])))
+    assert panels["HellaSwag"].get_lines() == []
+    notes = [text.get_text() for text in panels["HellaSwag"].texts]
+    assert any("--hellaswag_every" in note for note in notes)
+
+
+def test_resumed_run_keeps_one_row_per_step(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", 4, hellaswag=False)
+    with open(run / "metrics.jsonl", "a") as f:  # a repeated step (the later row wins) and a torn last line
+        f.write(json.dumps({"step": 3, "loss": 1.5, "lr": 1e-3}) + "\n" + '{"step": 5, "lo')
+    rows = load_rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[2]["loss"] == 1.5
+
+
+def test_labels_are_directory_names_made_unique(tmp_path: Path) -> None:
+    assert run_labels([tmp_path / "x" / "run", tmp_path / "y" / "run"]) == ["x/run", "y/run"]
+    assert run_labels([tmp_path / "x" / "run", tmp_path / "y" / "other"]) == ["run", "other"]
+
+
+def _plot_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["plot", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err  # one line, no traceback
+    return err
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    good = write_run(tmp_path / "good", 4, hellaswag=False)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    (tmp_path / "not_a_run").mkdir()
+    out = tmp_path / "out.png"
+
+    assert "does not exist" in _plot_error(capsys, str(tmp_path / "missing"), "--out", str(out))
+    assert "has no metrics.jsonl" in _plot_error(capsys, str(tmp_path / "not_a_run"), "--out", str(out))
+    assert "holds no metrics rows" in _plot_error(capsys, str(good), str(tmp_path / "empty"), "--out", str(out))
+    assert ".png" in _plot_error(capsys, str(good), "--out", str(tmp_path / "out.jpeg"))
+    assert not out.exists()
+
+
+def test_other_formats_follow_the_suffix(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "runs.svg"
+    main(["plot", str(write_run(tmp_path / "a", 4, hellaswag=True)), "--out", str(out)])
+    assert out.read_text().lstrip().startswith("<?xml")
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_missing_matplotlib_says_which_extra_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    err = _plot_error(capsys, str(write_run(tmp_path / "a", 4, hellaswag=False)), "--out", str(tmp_path / "x.png"))
+    assert "pip install 'accel_gpt[plot]'" in err

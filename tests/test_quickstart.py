@@ -1,0 +1,390 @@
+"""The README, executed: its CPU quick start end to end, and every other command it shows.
+
+Commands are read out of README.md, so the README cannot drift from the code. Those that run on a CPU
+without internet run here as written (only the input paths substituted, fewer training steps, and a free
+port for `accelerate launch`). Those that need internet or GPUs are checked as far as a CPU allows: each
+one parses with the real parsers (ours, and Accelerate's launcher), its config files load and its
+training config resolves. A new kind of command added to the README fails `test_every_readme_command_is_checked`
+until it is handled here.
+
+The quick start runs once per module (the fixture) in a scratch folder; the other tests reuse its data
+and run directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SHARED, subprocess_env
+
+README = REPO / "README.md"
+SUBSTITUTE = {
+    "path/to/input.txt": str(SHARED / "data" / "tinyshakespeare.txt"),
+    "path/to/hellaswag_val.jsonl": str(SHARED / "data" / "hellaswag_val.jsonl"),
+}
+# The preset's 150 steps take minutes; 3 steps and a short last evaluation show every part working.
+FEW_STEPS = ["--max_steps", "3", "--log_every", "1", "--eval_steps", "2"]
+# Commands without a process group of their own run inside pytest (the same argv through the same main()),
+# which saves a torch import per command; training and evaluation build an Accelerator and run as processes.
+IN_PROCESS = ("sample", "plot", "export")
+# Shell variables the README's SLURM script uses, with plausible values for parsing.
+SHELL_VARS = {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "MAIN_ADDR": "10.0.0.1"}
+# Commands that are not ours to parse, each with where it is exercised.
+OTHER_COMMANDS = {
+    "accelerate config": "interactive wizard; its non-interactive twin runs in test_accelerate_config_default",
+    "accelerate config default": "test_accelerate_config_default",
+    "accelerate env": "test_accelerate_config_default (the trainer saves its report as accelerate_env.txt)",
+    "tensorboard --logdir runs/tiny-cpu/logs": "TensorBoard's own CLI (the tensorboard extra)",
+    "python -m pytest -q": "the CI step (test_test_command_is_what_ci_runs)",
+    "pip install torch==2.13.0": "the CI step (test_test_command_is_what_ci_runs)",
+    'export MAIN_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': "SLURM: the first node's name",
+}
+
+
+# ------------------------------------------------------------------------------------------ README parsing
+
+
+def code_blocks(text: str, language: str) -> list[tuple[int, str]]:
+    """(offset, body) of every fenced block in `language`."""
+    return [(m.start(), m.group(1)) for m in re.finditer(rf"^```{language}\n(.*?)^```", text, re.M | re.S)]
+
+
+def block_commands(body: str) -> list[str]:
+    """Command lines of a bash block: continuation lines joined, comments, blanks and SBATCH headers dropped."""
+    joined = re.sub(r"\\\n\s*", " ", body)
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def readme_commands() -> list[str]:
+    return [cmd for _, body in code_blocks(README.read_text(), "bash") for cmd in block_commands(body)]
+
+
+def quickstart_commands() -> list[str]:
+    text = README.read_text()
+    marker = text.index("<!-- quickstart")
+    offset, body = next((o, b) for o, b in code_blocks(text, "bash") if o > marker)
+    assert text[marker:offset].count("\n") == 1, "the quickstart marker must sit right above its bash block"
+    return block_commands(body)
+
+
+def readme_command(prefix: str, contains: str = "") -> str:
+    """The one README command starting with `prefix` (and holding `contains`): the test runs what users read."""
+    found = [c for c in readme_commands() if c.startswith(prefix) and contains in c]
+    assert len(found) == 1, f"expected one README command '{prefix} ... {contains}', found {found}"
+    return found[0]
+
+
+# ------------------------------------------------------------------------------------------ running
+
+QuickStart = tuple[Path, dict[str, str]]
+
+
+def to_argv(command: str, extra: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """A README command as argv for this interpreter (+ leading VAR=value assignments as env)."""
+    for placeholder, real in SUBSTITUTE.items():
+        command = command.replace(placeholder, real)
+    words = shlex.split(command)
+    env = {}
+    while re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    if words[0] == "python":
+        words[0] = sys.executable
+    elif words[0] == "accelerate":
+        words[:1] = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
+    words = [str(REPO / w) if w == "run.py" or w.startswith("accelerate_configs/") else w for w in words]
+    if "launch" in words:  # a free port: other test runs on this machine may hold accelerate's default one
+        at = words.index("launch") + 1
+        words[at:at] = ["--main_process_port", str(_free_port())]
+    return words + (extra or []), env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_readme(
+    command: str, cwd: Path, extra: list[str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run a README command in `cwd`, failing with its output shown. Accelerate's default config is looked up in
+    `cwd/hf_home`, never the user's, and ACCELERATE_USE_CPU is unset so the configs work as they would for a user."""
+    argv, env_vars = to_argv(command, extra)
+    env = subprocess_env(HF_HOME=str(cwd / "hf_home"), **env_vars)
+    env.pop("ACCELERATE_USE_CPU", None)
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"README command failed ({proc.returncode}): {command}\n--- stdout\n{proc.stdout[-3000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def run_in_process(command: str, cwd: Path) -> str:
+    """A README `python run.py ...` command through accel_gpt.cli.main in `cwd`; returns what it printed.
+
+    One torch thread, like the launched processes (OMP_NUM_THREADS=1): on a shared 2-core machine two
+    threads spin against other tests' processes and made token-by-token sampling 3x slower."""
+    import torch
+
+    from accel_gpt.cli import main
+
+    words = to_argv(command)[0]
+    assert words[:2] == [sys.executable, str(REPO / "run.py")], command
+    stdout = io.StringIO()
+    previous, threads = os.getcwd(), torch.get_num_threads()
+    os.chdir(cwd)
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(stdout):
+            main(words[2:])
+    finally:
+        os.chdir(previous)
+        torch.set_num_threads(threads)
+    return stdout.getvalue()
+
+
+def run_any(command: str, cwd: Path, extra: list[str] | None = None) -> str:
+    """stdout of a README command, run in-process where it can be (IN_PROCESS), else as its own process."""
+    if shlex.split(command)[2] in IN_PROCESS and not extra:
+        return run_in_process(command, cwd)
+    return run_readme(command, cwd, extra).stdout
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory: pytest.TempPathFactory) -> QuickStart:
+    """The README's quick start, run in a scratch folder; what each command printed (train: its stderr)."""
+    work = tmp_path_factory.mktemp("quickstart")
+    outputs = {}
+    for command in quickstart_commands():
+        subcommand = shlex.split(command)[2]
+        if subcommand == "train":
+            outputs[subcommand] = run_readme(command, work, FEW_STEPS).stderr  # progress and summary
+        else:
+            outputs[subcommand] = run_any(command, work)
+    return work, outputs
+
+
+# ------------------------------------------------------------------------------------------ quick start
+
+
+def test_quickstart_runs_end_to_end(quickstart: QuickStart) -> None:
+    work, outputs = quickstart
+    assert [shlex.split(c)[2] for c in quickstart_commands()] == ["prepare", "train", "sample", "plot"]
+    manifest = json.loads((work / "data" / "shakespeare" / "manifest.json").read_text())
+    assert manifest["tokenizer"] == "gpt2" and set(manifest["splits"]) == {"train", "val"}
+
+    run = work / "runs" / "tiny-cpu"
+    for name in ("config.yaml", "metrics.jsonl", "accelerate_env.txt", "model.safetensors", "model_config.json"):
+        assert (run / name).is_file(), name
+    assert (run / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert abs(rows[0]["loss"] - math.log(50304)) < 0.5  # an untrained model guesses about uniformly
+    assert "val_loss" in rows[-1]  # evaluation fires on the last step
+    assert "finished at step 3/3" in outputs["train"] and "run dir runs/tiny-cpu" in outputs["train"]
+
+    sample = outputs["sample"]
+    assert sample.startswith("ROMEO:") and len(sample) > len("ROMEO:") + 20
+    assert outputs["plot"] == "wrote runs/tiny-cpu.png (1 run, up to step 3)\n"
+    assert (run.parent / "tiny-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_readme_eval_on_local_hellaswag(quickstart: QuickStart) -> None:
+    work, _ = quickstart
+    out = run_readme(readme_command("python run.py eval", "path/to/hellaswag_val.jsonl"), work).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["total"] == 50 and result["num_processes"] == 1
+    assert 0 <= result["acc_norm"] <= 1 and result["correct_norm"] == round(result["acc_norm"] * 50)
+    assert math.isfinite(result["val_loss"])
+
+
+def test_readme_sample_with_seed(quickstart: QuickStart) -> None:
+    work, _ = quickstart
+    out = run_any(readme_command("python run.py sample", "--num_samples 2"), work)
+    samples = out.split("\n" + "-" * 40 + "\n")
+    assert len(samples) == 2 and all(s.startswith("First Citizen:") for s in samples)
+
+
+def test_readme_export_loads_in_transformers(
+    quickstart: QuickStart, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    work, _ = quickstart
+    out = run_any(readme_command("python run.py export"), work)
+    assert "exports/tiny-cpu" in out
+    (snippet,) = [body for _, body in code_blocks(README.read_text(), "python") if "from_pretrained" in body]
+    monkeypatch.chdir(work)
+    exec(compile(snippet, "README.md (python block)", "exec"), {})
+    assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+def test_readme_resume_continues_the_run(quickstart: QuickStart, tmp_path: Path) -> None:
+    """The resume command on a copy of the quick-start run: it picks up at step 3 and logs each step once."""
+    work, _ = quickstart
+    (tmp_path / "data").symlink_to(work / "data", target_is_directory=True)
+    shutil.copytree(work / "runs" / "tiny-cpu", tmp_path / "runs" / "tiny-cpu")
+    out = run_readme(readme_command("python run.py train", "--resume auto"), tmp_path, ["--max_steps", "4"]).stderr
+    assert "finished at step 4/4" in out
+    assert [r["step"] for r in metrics(tmp_path / "runs" / "tiny-cpu")] == [1, 2, 3, 4]
+
+
+def test_two_cpu_processes_train_like_one(quickstart: QuickStart) -> None:
+    """The README's 2-process CPU launch (cpu_2proc.yaml), then its plot comparing it with the quick start."""
+    work, _ = quickstart
+    out = run_readme(readme_command("OMP_NUM_THREADS=1 accelerate launch", "cpu_2proc.yaml"), work, FEW_STEPS).stderr
+    assert "2 process(es)" in out and "finished at step 3/3" in out
+    one, two = metrics(work / "runs" / "tiny-cpu"), metrics(work / "runs" / "tiny-cpu-2proc")
+    assert [r["lr"] for r in two] == [r["lr"] for r in one]
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-4)
+
+    out = run_any(readme_command("python run.py plot", "compare.png"), work)
+    assert out == "wrote compare.png (2 runs, up to step 3)\n"
+    assert (work / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_accelerate_config_default(tmp_path: Path, quickstart: QuickStart) -> None:
+    """`accelerate config default` writes a config; a plain `accelerate launch` reads it and the trainer runs.
+
+    The run directory's accelerate_env.txt is `accelerate env`'s report, so it shows the config that was read."""
+    work, _ = quickstart
+    (tmp_path / "data").symlink_to(work / "data", target_is_directory=True)
+    run_readme(readme_command("accelerate config default"), tmp_path)
+    assert (tmp_path / "hf_home" / "accelerate" / "default_config.yaml").is_file()
+    # The README launches gpt2-124m (GPUs, FineWeb); the same launch on CPU trains the tiny preset.
+    launch = readme_command("accelerate launch run.py train").replace("gpt2-124m", "tiny-cpu")
+    out = run_readme(launch, tmp_path, ["--max_steps", "1", "--eval_every", "0"]).stderr
+    assert "finished at step 1/1" in out and "1 process(es) on cpu" in out
+    report = (tmp_path / "runs" / "tiny-cpu" / "accelerate_env.txt").read_text()
+    assert "- `Accelerate` default config:" in report and "use_cpu: True" in report
+
+
+# ------------------------------------------------------------------------------------------ every command
+
+
+def check_run_py(argv: list[str]) -> None:
+    """Parse like `run.py` does, then resolve what can be resolved offline: train configs, prepare options."""
+    from accel_gpt.cli import build_parser
+
+    args, extra = build_parser().parse_known_args(argv)
+    if args.command == "train":
+        from accel_gpt.config import load_config, parse_flags
+
+        load_config(args.config, parse_flags(extra))
+    else:
+        assert not extra, f"unrecognized arguments {extra}"
+    if args.command == "prepare":
+        from accel_gpt.data.prepare import options_from_args
+
+        options_from_args(args, env={})
+
+
+def check_accelerate_launch(argv: list[str]) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    args = launch_command_parser().parse_args(argv)
+    if args.config_file:
+        load_config_from_file(str(REPO / args.config_file))
+    assert args.training_script == "run.py"
+    check_run_py(args.training_script_args)
+
+
+def check_pip_install(words: list[str]) -> None:
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for word in words[2:]:
+        if m := re.fullmatch(r"\.\[([\w,]+)\]", word):
+            missing = set(m.group(1).split(",")) - set(extras)
+            assert not missing, f"pip install {word}: no such extra {missing}"
+
+
+def expand_shell_vars(command: str) -> str:
+    command = re.sub(
+        r"\$\(\(\s*(\w+)\s*\*\s*(\d+)\s*\)\)", lambda m: str(int(SHELL_VARS[m.group(1)]) * int(m[2])), command
+    )
+    return re.sub(r"\$(\w+)", lambda m: SHELL_VARS[m.group(1)], command)
+
+
+def check_command(command: str) -> None:
+    """Raise if `command` would not work as the README shows it (within what a CPU without internet can tell)."""
+    if command in OTHER_COMMANDS:
+        return
+    words = shlex.split(expand_shell_vars(command))
+    while re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        words.pop(0)
+    if words[:2] == ["python", "run.py"] or words[0] == "accel-gpt":
+        check_run_py(words[2:] if words[0] == "python" else words[1:])
+    elif words[:2] == ["accelerate", "launch"]:
+        check_accelerate_launch(words[2:])
+    elif words[:2] == ["srun", "bash"]:
+        assert words[2] == "-c" and len(words) == 4
+        check_command(words[3])
+    elif words[:3] == ["pip", "install", "-e"]:
+        check_pip_install(words)
+    elif words[0] == "export":
+        assert re.fullmatch(r"\w+=\S+", words[1])
+    else:
+        raise AssertionError(f"README command not checked by any test: {command}")
+
+
+def test_every_readme_command_is_checked() -> None:
+    commands = readme_commands()
+    assert len(commands) > 25  # the parser found the README's blocks
+    for command in commands:
+        try:
+            check_command(command)
+        except SystemExit as e:  # argparse's way of rejecting arguments
+            raise AssertionError(f"README command does not parse: {command}") from e
+        except Exception as e:
+            raise AssertionError(f"README command is stale: {command}\n  {type(e).__name__}: {e}") from e
+
+
+def test_command_checker_catches_stale_commands() -> None:
+    """The checker itself: a renamed flag, config key, preset or config file each fails."""
+    stale = [
+        "python run.py train --config tiny-cpu --max_step 10",
+        "python run.py train --config tiny-gpu",
+        "python run.py prepare --preset tinyshakespear --out_dir data/x",
+        "python run.py sample --ckpt runs/tiny-cpu",
+        "accelerate launch --config_file accelerate_configs/eight_gpus.yaml run.py train --config gpt2-124m",
+        "accelerate launch --restarts 3 run.py train --config gpt2-124m",
+        'pip install -e ".[plots]"',
+        "python run.py new-command",
+    ]
+    for command in stale:
+        with pytest.raises((AssertionError, SystemExit, Exception)):
+            check_command(command)
+
+
+def test_test_command_is_what_ci_runs() -> None:
+    """The README's test block is what `.ci/run` does (CI calls python3, the README python)."""
+    text = README.read_text()
+    tests_section = text[text.index("## Tests") :]
+    block = block_commands(code_blocks(tests_section, "bash")[0][1])
+    assert block == ["pip install torch==2.13.0", 'pip install -e ".[dev,plot]"', "python -m pytest -q"]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(r"pip install .*torch==2\.13\.0", ci)
+    assert re.search(r"pip install .*-e \"\.\[dev,plot\]\"", ci)
+    assert re.search(r"^python3? -m pytest -q$", ci, re.M)
+    assert "TIKTOKEN_CACHE_DIR" in ci and "TIKTOKEN_CACHE_DIR" in text
+    assert os.access(REPO / ".ci" / "run", os.X_OK)
