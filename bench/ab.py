@@ -76,6 +76,7 @@ def main() -> None:
     for v in variants:
         runs = of(results, v.label)
         ratios = [r.tokens_per_sec / f.tokens_per_sec for r, f in zip(runs, first, strict=True)]
+        cpu_ratios = [r.tokens_per_cpu_sec / f.tokens_per_cpu_sec for r, f in zip(runs, first, strict=True)]
         peak = max(r.report["peak_mem_bytes"] for r in runs)
         rows.append(
             [
@@ -83,11 +84,24 @@ def main() -> None:
                 fmt_rate(pooled_rate(runs)),
                 f"{statistics.median(ratios):.3f}",
                 " ".join(f"{x:.2f}" for x in ratios),
+                fmt_rate(pooled_rate(runs, cpu=True)),
+                f"{statistics.median(cpu_ratios):.3f}",
                 fmt_bytes(peak),
                 str(runs[0].report["mallopt"]),
             ]
         )
-    print(table(["variant", "tok/s", "ratio (median)", "per round", "peak mem", "mallopt applied"], rows))
+    header = [
+        "variant",
+        "tok/s",
+        "ratio (median)",
+        "per round",
+        "tok/CPU-s",
+        "CPU ratio",
+        "peak mem",
+        "mallopt applied",
+    ]
+    print(table(header, rows))
+    print("tok/CPU-s counts this process's CPU time only (not DataLoader worker processes)")
     print(f"after: {load_average()}")
 
 

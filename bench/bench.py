@@ -9,6 +9,7 @@ same environment; then the trainer's prepared DataLoader alone. The last line is
 
     python bench/bench.py                               # both compile modes, device found
     python bench/bench.py --compile on --pairs 2        # one mode (GPU: keeps a call under 10 minutes)
+    python bench/bench.py --overhead --threads 1        # per-step cost of the loop itself (a near-empty model)
     python bench/bench.py --find_max_batch 124m         # GPU: largest micro-batch that trains
     python bench/bench.py --scaling 8                   # GPU: accel_gpt on 8 GPUs against 1, per GPU
 """
@@ -21,6 +22,7 @@ import statistics
 import torch
 from benchlib import (
     BENCH_DIR,
+    OVERHEAD_FLAGS,
     STEP_ONLY_FLAGS,
     ChildFailed,
     Result,
@@ -37,6 +39,7 @@ from benchlib import (
     run_child,
     run_spec,
     side_specs,
+    synthetic_data,
     table,
 )
 
@@ -57,9 +60,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="measured steps per run; default GPU 10, CPU 8")
     p.add_argument("--threads", type=int, default=None, help="OMP/MKL threads of both sides (default: torch's)")
     p.add_argument("--malloc", choices=["default", "env", "mallopt"], default="default")
+    p.add_argument("--overhead", action="store_true", help="near-empty model: what the loop costs per step")
     p.add_argument("--find_max_batch", choices=sorted(GPT2_SIZES), default=None, help="GPU: probe micro-batches")
     p.add_argument("--scaling", type=int, default=None, metavar="N", help="GPU: accel_gpt on N GPUs against 1")
     args = p.parse_args()
+    if args.overhead:  # 1 layer, width 16, vocab 128, 2 micro-steps of 1 x 16 tokens: the model costs ~nothing
+        args.flags += f" {OVERHEAD_FLAGS}"
+        args.data_dir = args.data_dir or str(synthetic_data(128))
+        args.compile = "off" if args.compile == "both" else args.compile
+        args.warmup, args.steps = args.warmup or 20, args.steps or 300
     cuda = torch.cuda.is_available()
     args.cuda = cuda
     args.config = args.config or ("gpt2-124m" if cuda else "tiny-cpu")
@@ -91,17 +100,21 @@ def compare(args: argparse.Namespace, data_dir: str, peak: float | None, peak_no
             flags, cuda=args.cuda, warmup=args.warmup, steps=args.steps, env=env, malloc=args.malloc, suffix=f"/{mode}"
         )
         results += alternate(specs, args.pairs, "bench")
-    print_table(results, peak, peak_note)
+    print_table(results, peak, peak_note, cpu_times=not args.cuda)
     loader_table(args, data_dir, env, results)
     print(f"after: {load_average()}")
     summary = []
     for mode in modes:
-        ratios = pair_ratios(results, f"accel_gpt/{mode}", f"plain/{mode}")
-        summary.append(f"compile {mode} {statistics.median(ratios):.3f} [{', '.join(f'{r:.3f}' for r in ratios)}]")
+        for cpu in [False] if args.cuda else [False, True]:
+            ratios = pair_ratios(results, f"accel_gpt/{mode}", f"plain/{mode}", cpu=cpu)
+            kind = "per CPU second" if cpu else "wall-clock"
+            summary.append(
+                f"compile {mode} {kind} {statistics.median(ratios):.3f} ({' '.join(f'{r:.2f}' for r in ratios)})"
+            )
     print(f"ratio accel_gpt / plain: {'; '.join(summary)} (median of per-pair ratios; target >= 1.0)")
 
 
-def print_table(results: list[Result], peak: float | None, peak_note: str) -> None:
+def print_table(results: list[Result], peak: float | None, peak_note: str, cpu_times: bool) -> None:
     rows = []
     for label in dict.fromkeys(r.spec.label for r in results):
         runs = of(results, label)
@@ -119,8 +132,10 @@ def print_table(results: list[Result], peak: float | None, peak_note: str) -> No
                 " / ".join(f"{r.compile_seconds:.0f}" for r in runs),
                 f"{len(runs)}x{len(runs[0].step_seconds)}={steps}",
             ]
+            + [fmt_rate(pooled_rate(runs, cpu=True))] * cpu_times
         )
     header = ["side/compile", "tok/s", "ms/step", "FLOP/s", "MFU", "peak mem", "warm-up extra s", "runs x steps"]
+    header += ["tok/CPU-s"] * cpu_times
     first = results[0].report
     print(
         f"\nmodel {first['n_params'] / 1e6:.1f}M params, {first['flops_per_token'] / 1e6:.1f} MFLOP/token, "

@@ -31,6 +31,12 @@ BENCH_DIR = REPO / "runs" / "bench"  # /runs/ is git-ignored
 # Flags that turn off everything but training steps: the benchmark times the step, not eval or saving.
 STEP_ONLY_FLAGS = ["--eval_every", "0", "--save_every", "0", "--hellaswag_every", "0", "--log_with", "none"]
 
+# A near-empty model (1 layer, width 16, vocab 128; 2 micro-steps of 1 x 16 tokens): its step costs ~nothing,
+# so what a step takes is the loop's own per-step cost. Used with synthetic_data(128).
+OVERHEAD_FLAGS = (
+    "--n_layer 1 --n_head 1 --n_embd 16 --seq_len 16 --vocab_size 128 --micro_batch_size 1 --total_batch_size 32"
+)
+
 # glibc mallopt parameters (malloc.h); "large" trim threshold = the largest value mallopt's int takes.
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
@@ -57,12 +63,17 @@ def ensure_data(data_dir: str | None) -> tuple[Path, str]:
             return write_shards(shakespeare, shakespeare_tokens()), "tiny Shakespeare, GPT-2 tokens"
         except Exception as e:  # no BPE files offline: fall through to synthetic tokens
             print(f"note: cannot tokenize {SHAKESPEARE} ({type(e).__name__}: {e}); using random tokens", flush=True)
-    synthetic = BENCH_DIR / "data-synthetic"
-    if not (synthetic / "manifest.json").is_file():
+    return synthetic_data(50257), "synthetic: 2M uniform random GPT-2 token ids"
+
+
+def synthetic_data(vocab_size: int, tokens: int = 2_000_000) -> Path:
+    """Uniform random token ids below `vocab_size`, written once."""
+    data_dir = BENCH_DIR / f"data-synthetic-v{vocab_size}"
+    if not (data_dir / "manifest.json").is_file():
         import numpy as np
 
-        write_shards(synthetic, np.random.default_rng(0).integers(0, 50257, size=2_000_000).tolist())
-    return synthetic, "synthetic: 2M uniform random GPT-2 token ids"
+        write_shards(data_dir, np.random.default_rng(0).integers(0, vocab_size, size=tokens), vocab_size)
+    return data_dir
 
 
 def shakespeare_tokens() -> list[int]:
@@ -72,7 +83,7 @@ def shakespeare_tokens() -> list[int]:
     return tiktoken.get_encoding("gpt2").encode_ordinary(SHAKESPEARE.read_text())
 
 
-def write_shards(data_dir: Path, tokens: list[int]) -> Path:
+def write_shards(data_dir: Path, tokens: list[int], vocab_size: int = 50257) -> Path:
     """One train and one val shard (last 10%) in the `prepare` format, via accel_gpt's own writers."""
     import numpy as np
 
@@ -85,7 +96,7 @@ def write_shards(data_dir: Path, tokens: list[int]) -> Path:
         "train": [write_shard(data_dir, "train", 0, arr[:cut])],
         "val": [write_shard(data_dir, "val", 0, arr[cut:])],
     }
-    manifest = {"tokenizer": "gpt2", "eot_token": 50256, "vocab_size": 50257, "dtype": "uint16", "splits": splits}
+    manifest = {"tokenizer": "gpt2", "eot_token": 50256, "vocab_size": vocab_size, "dtype": "uint16", "splits": splits}
     write_manifest(data_dir, manifest)
     return data_dir
 
@@ -179,6 +190,7 @@ class Result:
     spec: Spec
     step_seconds: list[float]
     warmup_seconds: list[float]
+    cpu_seconds: list[float]  # process CPU seconds of the same measured steps
     tokens_per_step: int
     report: dict[str, Any]  # the worker's report: peak memory, device, threads, flops per token, ...
     wall_seconds: float
@@ -186,6 +198,11 @@ class Result:
     @property
     def tokens_per_sec(self) -> float:
         return self.tokens_per_step / statistics.median(self.step_seconds)
+
+    @property
+    def tokens_per_cpu_sec(self) -> float:
+        """Tokens per second of this process's CPU time: on a loaded machine far steadier than wall time."""
+        return self.tokens_per_step / statistics.median(self.cpu_seconds)
 
     @property
     def compile_seconds(self) -> float:
@@ -212,9 +229,12 @@ def run_spec(spec: Spec, out_dir: Path) -> Result:
     train_args = [*spec.train_args, "--max_steps", str(spec.warmup + spec.steps), *STEP_ONLY_FLAGS]
     report, wall = run_child(spec, train_args, out_dir)
     seconds = step_seconds(report, out_dir / "run")
+    cpu = report["step_cpu_seconds"]
+    if len(cpu) != len(seconds):
+        raise RuntimeError(f"{spec.label}: {len(cpu)} CPU times for {len(seconds)} steps")
     (out_dir / "run" / "model.safetensors").unlink(missing_ok=True)  # 0.5 GB for 124M: not needed
-    tokens = report["tokens_per_step"]
-    return Result(spec, seconds[spec.warmup :], seconds[: spec.warmup], tokens, report, wall)
+    w = spec.warmup
+    return Result(spec, seconds[w:], seconds[:w], cpu[w:], report["tokens_per_step"], report, wall)
 
 
 def run_child(spec: Spec, train_args: list[str], out_dir: Path) -> tuple[dict[str, Any], float]:
@@ -264,7 +284,8 @@ def alternate(specs: list[Spec], pairs: int, tag: str) -> list[Result]:
         order = specs if i % 2 == 0 else specs[::-1]
         for spec in order:
             result = run_spec(spec, BENCH_DIR / tag / f"{spec.label}-{i}")
-            print(f"  round {i + 1}/{pairs} {spec.label:<28} {fmt_rate(result.tokens_per_sec)} tok/s", flush=True)
+            rates = f"{fmt_rate(result.tokens_per_sec)} tok/s, {fmt_rate(result.tokens_per_cpu_sec)} tok/CPU-s"
+            print(f"  round {i + 1}/{pairs} {spec.label:<28} {rates}", flush=True)
             results.append(result)
     return results
 
@@ -282,15 +303,18 @@ def of(results: list[Result], label: str) -> list[Result]:
     return [r for r in results if r.spec.label == label]
 
 
-def pooled_rate(results: list[Result]) -> float:
-    """Tokens/s from the median step time over all measured steps of these runs."""
+def pooled_rate(results: list[Result], cpu: bool = False) -> float:
+    """Tokens/s (of wall time, or of CPU time) from the median over all measured steps of these runs."""
     tokens = results[0].tokens_per_step
-    return tokens / statistics.median(s for r in results for s in r.step_seconds)
+    return tokens / statistics.median(s for r in results for s in (r.cpu_seconds if cpu else r.step_seconds))
 
 
-def pair_ratios(results: list[Result], a: str, b: str) -> list[float]:
-    """Per-round ratio a/b of tokens/s: each round ran both sides back to back."""
-    return [x.tokens_per_sec / y.tokens_per_sec for x, y in zip(of(results, a), of(results, b), strict=True)]
+def pair_ratios(results: list[Result], a: str, b: str, cpu: bool = False) -> list[float]:
+    """Per-round ratio a/b of tokens/s (wall or CPU time): each round ran both sides back to back."""
+    pairs = zip(of(results, a), of(results, b), strict=True)
+    if cpu:
+        return [x.tokens_per_cpu_sec / y.tokens_per_cpu_sec for x, y in pairs]
+    return [x.tokens_per_sec / y.tokens_per_sec for x, y in pairs]
 
 
 def fmt_rate(value: float) -> str:

@@ -42,11 +42,13 @@ def main() -> None:
     else:
         cfg = train_config(args.train_args)
         if args.mode == "accel_gpt":
+            marks = record_cpu_time()
             run_accel_gpt(args.train_args, args.patch)
+            report["step_cpu_seconds"] = per_step(marks)
         elif args.mode == "plain":
             from plain_loop import train_plain
 
-            report["step_seconds"] = train_plain(cfg, cfg.max_steps, bf16=args.bf16)
+            report["step_seconds"], report["step_cpu_seconds"] = train_plain(cfg, cfg.max_steps, bf16=args.bf16)
         else:
             report |= loader_rate(cfg, args.batches)
         report |= describe(cfg)
@@ -67,6 +69,34 @@ def run_accel_gpt(train_args: list[str], patch: str | None) -> None:
         strip_fp32_outputs()
     sys.argv = [str(REPO / "run.py"), "train", *train_args]
     runpy.run_path(str(REPO / "run.py"), run_name="__main__")
+
+
+def record_cpu_time() -> list[tuple[float, int]]:
+    """Process CPU time at each metrics.jsonl write (with log_every 1: after every step's host sync).
+
+    CPU seconds per step are what a load-robust comparison needs on a shared machine: other processes
+    stretch the wall time of a step but hardly the CPU time it takes (one thread; not DataLoader workers).
+    """
+    from accel_gpt.metrics import MetricsFile
+
+    marks: list[tuple[float, int]] = []
+    write = MetricsFile.write
+
+    def timed_write(self: MetricsFile, rows: list[dict[str, Any]]) -> None:
+        marks.append((time.process_time(), len(rows)))
+        write(self, rows)
+
+    MetricsFile.write = timed_write
+    return marks
+
+
+def per_step(marks: list[tuple[float, int]]) -> list[float]:
+    """CPU seconds of each step from the marks; the first window also holds start-up (a warm-up step)."""
+    seconds, previous = [], 0.0
+    for cpu, rows in marks:
+        seconds += [(cpu - previous) / rows] * rows
+        previous = cpu
+    return seconds
 
 
 def strip_fp32_outputs() -> None:
