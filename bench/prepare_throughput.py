@@ -1,7 +1,7 @@
 """Benchmark `run.py prepare` (not a test): throughput against a single-process tiktoken baseline, and peak memory
 with --streaming as the input grows.
 
-    python bench/prepare_throughput.py                      # ~50 MB, 3 alternating rounds, then the memory check
+    python bench/prepare_throughput.py                      # ~50 MB, 5 alternating rounds, then the memory check
     python bench/prepare_throughput.py --mb 10 --rounds 1 --memory_factor 0   # quick look
 
 Both sides are whole processes timed from the outside, input file to token file:
@@ -11,10 +11,10 @@ Both sides are whole processes timed from the outside, input file to token file:
 - prepare: `python run.py prepare --dataset FILE --num_proc 2`, each run with a fresh datasets cache, so its time
   includes building the Arrow cache of the input.
 The two write the same tokens (checked), so the comparison is like for like. Runs alternate because a command's
-speed drifts between calls on this shared machine (FACTS.md); the median of the rounds is reported. Peak memory
-for the --streaming check is the largest sum of PSS over the process tree (main + workers), sampled every 50 ms:
-PSS, not RSS, because RSS counts pages shared between processes (a spawned worker starts as a fork of the main
-process) once per process.
+speed drifts between calls on this shared machine (FACTS.md); the medians and the per-round ratios are reported.
+Peak memory for the --streaming check is the largest sum of PSS over the process tree (main + workers), sampled
+every 50 ms: PSS, not RSS, because RSS counts pages shared between processes (a spawned worker starts as a fork of
+the main process) once per process.
 """
 
 from __future__ import annotations
@@ -129,8 +129,16 @@ def throughput(work: Path, src: Path, rounds: int, env: dict[str, str]) -> None:
             f"{name:12s} median wall {med[name]:6.2f}s  {tokens / med[name] / 1e6:5.2f}M tok/s  "
             f"cpu {cpu:6.2f}s  peak {max(x['peak_mb'] for x in runs):5.0f} MB"
         )
-    print(f"speed-up prepare --num_proc 2 vs baseline (1 thread): {med['baseline_t1'] / med['prepare_np2']:.2f}x")
-    print(f"speed-up prepare --num_proc 2 vs baseline (8 threads): {med['baseline_t8'] / med['prepare_np2']:.2f}x")
+    for base in ("baseline_t1", "baseline_t8"):
+        paired = [b["wall"] / p["wall"] for b, p in zip(results[base], results["prepare_np2"], strict=True)]
+        cpu = statistics.median(x["cpu"] for x in results[base]) / statistics.median(
+            x["cpu"] for x in results["prepare_np2"]
+        )
+        print(
+            f"speed-up prepare --num_proc 2 vs {base}: {med[base] / med['prepare_np2']:.2f}x (medians); "
+            f"per round {', '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f}x); "
+            f"CPU time {cpu:.2f}x less"
+        )
 
 
 def memory(work: Path, src: Path, factor: int, env: dict[str, str]) -> None:
@@ -156,7 +164,7 @@ def memory(work: Path, src: Path, factor: int, env: dict[str, str]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=50, help="input size in MB (default 50)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the throughput comparison")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds of the throughput comparison")
     p.add_argument("--memory_factor", type=int, default=4, help="input growth for the memory check (0: skip)")
     p.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one)")
     args = p.parse_args()

@@ -247,6 +247,13 @@ def test_output_does_not_depend_on_workers_streaming_or_task_size(tmp_path: Path
     assert stream(tmp_path / "parallel").tolist() == [EOT, *tok.encode(text)]
 
 
+def test_sample_by_line_makes_every_line_a_document(tmp_path: Path, tok) -> None:
+    text = "first line\nsecond <|endoftext|> line\n\n  indented after an empty line\nlast"
+    (src := tmp_path / "lines.txt").write_text(text)
+    prepare(opts(tmp_path, src, sample_by="line"))
+    assert documents_of(stream(tmp_path / "out"), tok) == text.split("\n")
+
+
 def test_limit_reads_the_first_documents(tmp_path: Path, docs: list[str], tok) -> None:
     src = write_txt(tmp_path / "docs.txt", docs)
     prepare(opts(tmp_path, src, limit=7, streaming=True))

@@ -122,6 +122,11 @@ def _gpt2() -> GPT2Tokenizer:
     return GPT2Tokenizer()
 
 
+def warm_gpt2() -> None:
+    """Worker initializer: load the BPE ranks while the main process is still opening the dataset."""
+    _gpt2()
+
+
 def _encode_chars(chars: str, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Characters -> ids with numpy: code points looked up in the sorted vocabulary, no Python loop per character."""
     vocab = _codepoints(chars)

@@ -56,22 +56,39 @@ def make_tasks(texts: Iterable[str], first_doc: int, task_chars: int) -> Iterato
         yield task
 
 
-def ordered_map(fn: Callable, spec: EncoderSpec, tasks: Iterable[Task], num_proc: int) -> Iterator[tuple[Task, Any]]:
-    """`fn(spec, texts, first)` over the tasks, results in task order, at most 2 * num_proc tasks in flight.
+class Workers:
+    """The tokenizer processes: `map` runs `fn(spec, texts, first)` over tasks, results in task order.
 
-    `Pool.imap` would read the whole task iterator ahead (its feeder thread does not wait), which breaks the memory
-    bound with --streaming; this keeps a short queue of `apply_async` results instead. Workers are spawned, not
-    forked: the parent holds pyarrow threads, and the workers need only numpy and tiktoken.
+    Entered before the input is opened, so the workers' start-up (imports, loading the BPE ranks via `warm`)
+    overlaps the main process's `datasets` import and load instead of following it. Spawned, not forked: the parent
+    holds pyarrow threads, and the workers need only numpy and tiktoken. With num_proc == 1 the main process encodes.
     """
-    if num_proc == 1:
-        for task in tasks:
-            yield task, fn(spec, task.texts, task.first)
-        return
-    with multiprocessing.get_context("spawn").Pool(num_proc) as pool:
+
+    def __init__(self, num_proc: int, warm: Callable[[], Any] | None = None) -> None:
+        self.num_proc, self.warm = num_proc, warm
+        self.pool: Any = None
+
+    def __enter__(self) -> Workers:
+        if self.num_proc > 1:
+            self.pool = multiprocessing.get_context("spawn").Pool(self.num_proc, initializer=self.warm)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+    def map(self, fn: Callable, spec: EncoderSpec, tasks: Iterable[Task]) -> Iterator[tuple[Task, Any]]:
+        """At most 2 * num_proc tasks in flight: `Pool.imap` would read the whole task iterator ahead (its feeder
+        thread does not wait), which breaks the memory bound with --streaming."""
+        if self.pool is None:
+            for task in tasks:
+                yield task, fn(spec, task.texts, task.first)
+            return
         pending: deque = deque()
         for task in tasks:
-            pending.append((task, pool.apply_async(fn, (spec, task.texts, task.first))))
-            if len(pending) >= 2 * num_proc:
+            pending.append((task, self.pool.apply_async(fn, (spec, task.texts, task.first))))
+            if len(pending) >= 2 * self.num_proc:
                 done, result = pending.popleft()
                 yield done, result.get()
         while pending:

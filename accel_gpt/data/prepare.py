@@ -63,8 +63,8 @@ from typing import Any
 import numpy as np
 
 from accel_gpt.data import shards
-from accel_gpt.data.encode import EncoderSpec, encode_pieces, unique_chars
-from accel_gpt.data.pipeline import STATE_FILE, Resume, State, StreamWriter, make_tasks, ordered_map
+from accel_gpt.data.encode import EncoderSpec, encode_pieces, unique_chars, warm_gpt2
+from accel_gpt.data.pipeline import STATE_FILE, Resume, State, StreamWriter, Workers, make_tasks
 from accel_gpt.errors import ConfigError, DataError, UserError
 
 log = logging.getLogger(__name__)
@@ -491,6 +491,11 @@ def prepare(opts: PrepareOptions) -> Summary:
     """Tokenize the source into `opts.data_dir`; resume an interrupted run there; verify a finished one."""
     start = time.perf_counter()
     source = resolve_source(opts.dataset)  # a missing path fails before anything is created
+    with Workers(opts.num_proc, warm_gpt2 if opts.tokenizer == "gpt2" else None) as workers:
+        return _prepare(opts, source, workers, start)
+
+
+def _prepare(opts: PrepareOptions, source: Source, workers: Workers, start: float) -> Summary:
     data_dir = opts.data_dir
     created = _make_dirs(data_dir)
     try:
@@ -507,9 +512,9 @@ def prepare(opts: PrepareOptions) -> Summary:
         _verify_state(data_dir, state, EncoderSpec(opts.tokenizer, state.chars or "").dtype)
     shards.remove_temp_files(data_dir)
     try:
-        spec = _encoder_spec(opts, streams, state)
+        spec = _encoder_spec(opts, streams, state, workers)
         state.save(data_dir)
-        _write_streams(opts, streams, spec, state)
+        _write_streams(opts, streams, spec, state, workers)
         manifest = _manifest(opts, source, spec, state)
         shards.write_manifest(data_dir, manifest)
     except UserError:
@@ -608,7 +613,7 @@ def _discard(data_dir: Path) -> None:
     (data_dir / STATE_FILE).unlink(missing_ok=True)
 
 
-def _encoder_spec(opts: PrepareOptions, streams: list[Stream], state: State) -> EncoderSpec:
+def _encoder_spec(opts: PrepareOptions, streams: list[Stream], state: State, workers: Workers) -> EncoderSpec:
     """gpt2 needs nothing; char needs its vocabulary: one parallel pass over all the text (kept in the state)."""
     if opts.tokenizer == "gpt2":
         return EncoderSpec("gpt2")
@@ -616,7 +621,7 @@ def _encoder_spec(opts: PrepareOptions, streams: list[Stream], state: State) -> 
         seen: set[str] = set()
         for stream in streams:
             tasks = make_tasks(_iter_texts(stream.dataset, opts.text_column, 0), 0, opts.task_chars)
-            for _, chars in ordered_map(unique_chars, EncoderSpec("char"), tasks, opts.num_proc):
+            for _, chars in workers.map(unique_chars, EncoderSpec("char"), tasks):
                 seen.update(chars)
         if not seen:
             raise DataError(f"'{opts.dataset}' has no text (every document is empty)")
@@ -624,7 +629,9 @@ def _encoder_spec(opts: PrepareOptions, streams: list[Stream], state: State) -> 
     return EncoderSpec("char", state.chars)
 
 
-def _write_streams(opts: PrepareOptions, streams: list[Stream], spec: EncoderSpec, state: State) -> None:
+def _write_streams(
+    opts: PrepareOptions, streams: list[Stream], spec: EncoderSpec, state: State, workers: Workers
+) -> None:
     """Tokenize every stream from the resume point on, with a progress bar in tokens/s."""
     from tqdm.auto import tqdm
 
@@ -636,7 +643,7 @@ def _write_streams(opts: PrepareOptions, streams: list[Stream], spec: EncoderSpe
             tasks = make_tasks(_iter_texts(stream.dataset, opts.text_column, first_doc), first_doc, opts.task_chars)
             writer = StreamWriter(opts.data_dir, spec, opts.shard_size, stream.split, stream.val_tokens, index, state)
             try:
-                for task, (tokens, lengths) in ordered_map(encode_pieces, spec, tasks, opts.num_proc):
+                for task, (tokens, lengths) in workers.map(encode_pieces, spec, tasks):
                     bar.update(writer.feed(task, tokens, lengths))
                     bar.set_postfix_str(f"{stream.split} doc {task.docs[-1] + 1:,}", refresh=False)
                 writer.finish()
