@@ -103,7 +103,8 @@ def train(cfg: TrainConfig) -> None:
             )
             window.restart_clock()  # saving time is not training throughput
         if stopping:
-            logger.info(f"stop requested: stopped after step {state.step}; resume with --resume auto")
+            saved = "resume with --resume auto" if cfg.save_every else "save_every=0, so no checkpoint was written"
+            logger.info(f"stop requested: stopped after step {state.step}; {saved}")
             break
     progress.close()
     stop.restore()
