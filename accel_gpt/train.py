@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -165,11 +166,20 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
     )
     accelerator.gradient_accumulation_steps = cfg.grad_accum_steps(accelerator.num_processes)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", level=logging.INFO)
+    # Log lines go above the progress bar; accelerate's own INFO lines (8 per save_state) stay quiet, ours show.
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", handlers=[TqdmHandler()])
+    logging.getLogger("accel_gpt").setLevel(logging.INFO)
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32)
         torch.backends.cudnn.allow_tf32 = True
     return accelerator
+
+
+class TqdmHandler(logging.Handler):
+    """Log lines go above the progress bar (tqdm.write) instead of being glued to the end of it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
 
 
 def build_model(cfg: TrainConfig) -> GPT:
@@ -388,12 +398,12 @@ class LogWindow:
         metrics.write(rows)
         for row in rows:
             self.accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=row["step"])
-        progress.update(len(rows))
         last = rows[-1]
         postfix = {"loss": f"{last['loss']:.4f}", "lr": f"{last['lr']:.2e}", "tok/s": f"{last['tokens_per_sec']:,.0f}"}
         if "val_loss" in last:
             postfix["val"] = f"{last['val_loss']:.4f}"
         progress.set_postfix(postfix, refresh=False)
+        progress.update(len(rows))  # after the postfix: the bar shows this window's values, not the previous one's
         self.restart_clock()  # evaluation time stays out of the next window's throughput
 
     def restart_clock(self) -> None:
