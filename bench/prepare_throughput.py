@@ -9,7 +9,8 @@ Both sides are whole processes timed from the outside, input file to token file:
   empty ones dropped), `encode_ordinary_batch(docs, num_threads=1)`, EOT before each, write uint16. A second
   baseline uses tiktoken's default 8 threads, which on 2 cores is the best a one-line tiktoken script gets.
 - prepare: `python run.py prepare --dataset FILE --num_proc 2`, each run with a fresh datasets cache, so its time
-  includes building the Arrow cache of the input.
+  includes building the Arrow cache of the input; and the same with `--streaming`, which builds no cache and reads
+  the file while the workers encode.
 The two write the same tokens (checked), so the comparison is like for like. Runs alternate because a command's
 speed drifts between calls on this shared machine (FACTS.md); the medians and the per-round ratios are reported.
 Peak memory for the --streaming check is the largest sum of PSS over the process tree (main + workers), sampled
@@ -103,7 +104,7 @@ def shard_tokens(out: Path) -> np.ndarray:
 def throughput(work: Path, src: Path, rounds: int, env: dict[str, str]) -> None:
     baseline_py = work / "baseline.py"
     baseline_py.write_text(BASELINE)
-    results: dict[str, list[dict]] = {"baseline_t1": [], "baseline_t8": [], "prepare_np2": []}
+    results: dict[str, list[dict]] = {"baseline_t1": [], "baseline_t8": [], "prepare_np2": [], "prepare_np2_stream": []}
     tokens = 0
     for r in range(rounds):
         for name in results:
@@ -113,29 +114,27 @@ def throughput(work: Path, src: Path, rounds: int, env: dict[str, str]) -> None:
                 threads = name[-1]
                 cmd = [sys.executable, str(baseline_py), str(src), str(work / "baseline.bin"), threads]
             else:
-                cmd = prepare_cmd(src, work / "out", "--num_proc", "2")
+                cmd = prepare_cmd(src, work / "out", "--num_proc", "2", *(["--streaming"] * name.endswith("stream")))
             res = run_measured(cmd, env)
             results[name].append(res)
-            if name == "prepare_np2":
+            if name.startswith("prepare"):
                 got = shard_tokens(work / "out")
                 assert np.array_equal(got, np.fromfile(work / "baseline.bin", dtype=np.uint16)), "different tokens"
                 tokens = got.size
-            print(f"round {r} {name:12s} wall {res['wall']:6.2f}s cpu {res['cpu']:6.2f}s peak {res['peak_mb']:6.0f} MB")
+            print(f"round {r} {name:18s} wall {res['wall']:6.2f}s cpu {res['cpu']:6.2f}s peak {res['peak_mb']:6.0f} MB")
     print(f"\n{tokens:,} tokens (identical on both sides); load average {os.getloadavg()[0]:.1f}")
     med = {k: statistics.median(x["wall"] for x in v) for k, v in results.items()}
     for name, runs in results.items():
         cpu = statistics.median(x["cpu"] for x in runs)
         print(
-            f"{name:12s} median wall {med[name]:6.2f}s  {tokens / med[name] / 1e6:5.2f}M tok/s  "
+            f"{name:18s} median wall {med[name]:6.2f}s  {tokens / med[name] / 1e6:5.2f}M tok/s  "
             f"cpu {cpu:6.2f}s  peak {max(x['peak_mb'] for x in runs):5.0f} MB"
         )
-    for base in ("baseline_t1", "baseline_t8"):
-        paired = [b["wall"] / p["wall"] for b, p in zip(results[base], results["prepare_np2"], strict=True)]
-        cpu = statistics.median(x["cpu"] for x in results[base]) / statistics.median(
-            x["cpu"] for x in results["prepare_np2"]
-        )
+    for side, base in [(p, b) for p in ("prepare_np2", "prepare_np2_stream") for b in ("baseline_t1", "baseline_t8")]:
+        paired = [b["wall"] / p["wall"] for b, p in zip(results[base], results[side], strict=True)]
+        cpu = statistics.median(x["cpu"] for x in results[base]) / statistics.median(x["cpu"] for x in results[side])
         print(
-            f"speed-up prepare --num_proc 2 vs {base}: {med[base] / med['prepare_np2']:.2f}x (medians); "
+            f"speed-up {side} vs {base}: {med[base] / med[side]:.2f}x (medians); "
             f"per round {', '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f}x); "
             f"CPU time {cpu:.2f}x less"
         )
