@@ -20,7 +20,7 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         "a save_to_disk folder, or an http(s) URL) into fixed-size token shards that `train` reads. "
         "Re-running the same command resumes an interrupted run and verifies a finished one.",
         epilog="Presets (flags given explicitly override them): tinyshakespeare = the classic 1.1 MB file by URL, "
-        "one document, ~10%% held out for val; fineweb-edu-10B = HuggingFaceFW/fineweb-edu, config sample-10BT, "
+        "one document, ~10% held out for val; fineweb-edu-10B = HuggingFaceFW/fineweb-edu, config sample-10BT, "
         "first 100M tokens for val (add --streaming --num_proc N). Both need internet. "
         "Several machines: --num_shards K --shard_index i (or RANK/WORLD_SIZE under accelerate launch) write "
         "OUT_DIR/part-i-of-K; the last part to finish (or --merge) writes OUT_DIR/manifest.json over all parts.",
