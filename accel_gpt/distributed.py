@@ -8,6 +8,7 @@ does not match the launch.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any
 
@@ -27,9 +28,28 @@ def has_accelerator_device() -> bool:
     )
 
 
+def keep_freed_memory() -> bool:
+    """Ask glibc to keep freed large buffers for reuse instead of returning them to the OS.
+
+    By default glibc serves every allocation over its mmap threshold (at most 32 MB) with a fresh mmap and
+    unmaps it on free, so each training step on CPU page-faults its ~100 MB logits buffers in again. With
+    mmap off and a high trim threshold, the tiny-cpu preset ran 100 steps in 40 s instead of 174 s (same
+    losses, +31% peak memory). Returns False where the C library is not glibc (nothing is changed there).
+    """
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's malloc.h
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 def make_accelerator(**kwargs: Any) -> Accelerator:
     """An Accelerator on the devices the launch gave us; raises if the group is smaller than WORLD_SIZE."""
-    accelerator = Accelerator(cpu=not has_accelerator_device(), **kwargs)
+    cpu = not has_accelerator_device()
+    if cpu:
+        keep_freed_memory()
+    accelerator = Accelerator(cpu=cpu, **kwargs)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != launched:
         raise UserError(
