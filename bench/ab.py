@@ -1,11 +1,12 @@
 """A/B of one training side under a few variants of its runtime, alternating in fresh processes.
 
-    python bench/ab.py malloc          # glibc as it comes / MALLOC_* env vars / mallopt() at start-up
+    python bench/ab.py malloc          # plain side: glibc as it comes / MALLOC_* env vars / accel_gpt's mallopt()
     python bench/ab.py workers         # DataLoader num_workers 0 / 2
     python bench/ab.py fp32_outputs    # GPU (bf16): Accelerate's fp32 cast of the outputs as is / stripped
 
 Each round runs every variant once (order reversed every other round); a variant's rate is the median
 over its measured steps, and each ratio is taken against the first variant within the same round.
+The malloc experiment runs the plain side by default: accel_gpt applies its mallopt() settings itself on CPU.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ EXPERIMENTS = {
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiment", choices=sorted(EXPERIMENTS))
-    p.add_argument("--side", choices=["accel_gpt", "plain"], default="accel_gpt")
+    p.add_argument("--side", choices=["accel_gpt", "plain"], default=None, help="default: plain for malloc")
     p.add_argument("--config", default=None, help="preset or YAML (default: gpt2-124m on GPU, tiny-cpu on CPU)")
     p.add_argument("--data_dir", default=None)
     p.add_argument("--compile", choices=["true", "false"], default="false")
     p.add_argument("--pairs", type=int, default=3, help="rounds")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--flags", default="", help="more train flags for every variant, e.g. '--micro_batch_size 32'")
     return p.parse_args()
@@ -54,6 +55,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    args.side = args.side or ("plain" if args.experiment == "malloc" else "accel_gpt")
     cuda = torch.cuda.is_available()
     config = args.config or ("gpt2-124m" if cuda else "tiny-cpu")
     data_dir, source = ensure_data(args.data_dir)

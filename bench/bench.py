@@ -29,6 +29,7 @@ from benchlib import (
     Spec,
     alternate,
     child_env,
+    default_malloc,
     ensure_data,
     fmt_bytes,
     fmt_rate,
@@ -57,9 +58,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--flags", default="", help="more train flags for both sides, e.g. '--n_layer 1 --n_embd 8'")
     p.add_argument("--pairs", type=int, default=None, help="rounds of (accel_gpt, plain); default GPU 2, CPU 3")
     p.add_argument("--warmup", type=int, default=None, help="steps per run left out; default GPU 3, CPU 2")
-    p.add_argument("--steps", type=int, default=None, help="measured steps per run; default GPU 10, CPU 8")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per run; default GPU 10, CPU 20")
     p.add_argument("--threads", type=int, default=None, help="OMP/MKL threads of both sides (default: torch's)")
-    p.add_argument("--malloc", choices=["default", "env", "mallopt"], default="default")
+    p.add_argument(
+        "--malloc",
+        choices=["default", "env", "mallopt"],
+        default=None,
+        help="allocator settings of both sides (default: mallopt on CPU, as accel_gpt sets itself; GPU: default)",
+    )
     p.add_argument("--overhead", action="store_true", help="near-empty model: what the loop costs per step")
     p.add_argument("--find_max_batch", choices=sorted(GPT2_SIZES), default=None, help="GPU: probe micro-batches")
     p.add_argument("--scaling", type=int, default=None, metavar="N", help="GPU: accel_gpt on N GPUs against 1")
@@ -72,9 +78,10 @@ def parse_args() -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     args.cuda = cuda
     args.config = args.config or ("gpt2-124m" if cuda else "tiny-cpu")
+    args.malloc = args.malloc or default_malloc(cuda)
     args.pairs = args.pairs or (2 if cuda else 3)
     args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 2)
-    args.steps = args.steps or (10 if cuda else 8)
+    args.steps = args.steps or (10 if cuda else 20)
     return args
 
 

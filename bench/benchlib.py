@@ -8,7 +8,6 @@ machine's drift (FACTS.md: ~16% between calls) falls on both alike.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import os
@@ -37,11 +36,8 @@ OVERHEAD_FLAGS = (
     "--n_layer 1 --n_head 1 --n_embd 16 --seq_len 16 --vocab_size 128 --micro_batch_size 1 --total_batch_size 32"
 )
 
-# glibc mallopt parameters (malloc.h); "large" trim threshold = the largest value mallopt's int takes.
-M_TRIM_THRESHOLD = -1
-M_MMAP_MAX = -4
-LARGE_TRIM_THRESHOLD = 2**31 - 1
-MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(LARGE_TRIM_THRESHOLD)}
+# The glibc settings accel_gpt applies to itself on CPU (distributed.keep_freed_memory), as environment variables.
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -104,34 +100,18 @@ def write_shards(data_dir: Path, tokens: list[int], vocab_size: int = 50257) -> 
 # ------------------------------------------------------------------------------------------ allocator
 
 
-def tune_glibc_malloc() -> bool:
-    """Keep freed large buffers inside the process instead of returning them to the OS (glibc only).
-
-    glibc serves every block above its mmap threshold (32 MiB at most) with a fresh mmap and unmaps it on
-    free, so a training step that frees and reallocates the same large activations (the tiny preset's
-    16x64x50304 logits are 206 MB) page-faults and zero-fills them again every step. No mmap and a large
-    trim threshold keep them: measured 1.47x on a plain CPU loop (FACTS.md), at +34% peak memory.
-    Settings the user already chose through the environment win. Returns whether the settings were applied.
-    """
-    if any(k in os.environ for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 - raises AttributeError where the C library is not glibc
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    # mallopt returns 1 on success; set the trim threshold first so no step sees mmap off with trimming on.
-    return bool(mallopt(M_TRIM_THRESHOLD, LARGE_TRIM_THRESHOLD)) and bool(mallopt(M_MMAP_MAX, 0))
+def default_malloc(cuda: bool) -> str:
+    """Both sides must run under the same allocator settings. On CPU accel_gpt calls mallopt itself at start-up
+    (distributed.keep_freed_memory: no mmap, large trim threshold), so the plain side gets the same call;
+    on GPU the trainer leaves glibc alone and so do both sides."""
+    return "default" if cuda else "mallopt"
 
 
 def child_env(threads: int | None, malloc: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment both sides run under: same threads, same allocator settings, offline.
 
-    `malloc`: "default" (glibc as it comes), "env" (MALLOC_ENV for the whole process) or "mallopt" (the
-    worker calls tune_glibc_malloc() at start-up, as the trainer could; see Spec.worker_flags).
+    `malloc`: "default" (glibc as it comes; accel_gpt still calls mallopt itself on CPU), "env" (MALLOC_ENV for
+    the whole process) or "mallopt" (the worker first calls accel_gpt's keep_freed_memory; see side_specs).
     """
     env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV and k != "GLIBC_TUNABLES"}
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

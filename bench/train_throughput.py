@@ -5,7 +5,7 @@ model, data and batch, in the same run: the two sides alternate (A B, B A, A B) 
 the same threads and allocator settings; each side's rate is the median over its measured steps. The
 ratio is the median of the per-pair ratios, printed last.
 
-    python bench/train_throughput.py [--pairs 3] [--steps 8] [--threads 2] [--malloc default|env|mallopt]
+    python bench/train_throughput.py [--pairs 3] [--steps 20] [--threads 2] [--malloc mallopt|default|env]
 """
 
 from __future__ import annotations
@@ -14,7 +14,18 @@ import argparse
 import statistics
 
 import torch
-from benchlib import alternate, child_env, ensure_data, fmt_rate, load_average, of, pair_ratios, side_specs, table
+from benchlib import (
+    alternate,
+    child_env,
+    default_malloc,
+    ensure_data,
+    fmt_rate,
+    load_average,
+    of,
+    pair_ratios,
+    side_specs,
+    table,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -23,9 +34,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--data_dir", default=None, help="prepared shards (default: tiny Shakespeare, written on first use)")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2, help="steps per run left out of the median")
-    p.add_argument("--steps", type=int, default=8, help="measured steps per run")
+    p.add_argument("--steps", type=int, default=20, help="measured steps per run")
     p.add_argument("--threads", type=int, default=None, help="OMP/MKL threads of both sides (default: torch's)")
-    p.add_argument("--malloc", choices=["default", "env", "mallopt"], default="default")
+    p.add_argument(
+        "--malloc",
+        choices=["default", "env", "mallopt"],
+        default=None,
+        help="allocator settings of both sides (default: mallopt on CPU, as accel_gpt sets itself; GPU: default)",
+    )
     return p.parse_args()
 
 
@@ -33,6 +49,7 @@ def main() -> None:
     args = parse_args()
     data_dir, source = ensure_data(args.data_dir)
     cuda = torch.cuda.is_available()
+    args.malloc = args.malloc or default_malloc(cuda)
     env = child_env(args.threads, args.malloc)
     # log_every 1: a metrics row per step. On CPU the host sync it costs is free (ops run synchronously).
     train_args = ["--config", args.config, "--data_dir", str(data_dir), "--log_every", "1"]
