@@ -31,6 +31,7 @@ from accelerate.logging import get_logger
 
 from accel_gpt.artifacts import MODEL_CONFIG
 from accel_gpt.config import MODEL_FIELDS
+from accel_gpt.data.shards import fsync_dir
 from accel_gpt.errors import UserError
 
 logger = get_logger(__name__)
@@ -143,11 +144,11 @@ def _publish(tmp: Path, final: Path, model_config: dict[str, Any], marker: dict[
     _fsync_tree(tmp)  # the data must be on disk before the marker that vouches for it
     (tmp / COMPLETE).write_text(json.dumps(marker))
     _fsync_file(tmp / COMPLETE)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():  # the same step saved again (e.g. resumed from an older checkpoint by path)
         _remove(final)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def _remove(path: Path) -> None:
@@ -170,21 +171,13 @@ def _fsync_tree(path: Path) -> None:
         if p.is_file():
             _fsync_file(p)
         elif p.is_dir():
-            _fsync_dir(p)
-    _fsync_dir(path)
+            fsync_dir(p)
+    fsync_dir(path)
 
 
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def complete_checkpoints(out_dir: str | Path, warn: bool = False) -> list[Path]:

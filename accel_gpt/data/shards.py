@@ -160,7 +160,7 @@ class ShardFile:
         os.fsync(self._file.fileno())
         self._file.close()
         os.replace(self.tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return {"file": self.path.name, "tokens": self.tokens, "sha256": self._hash.hexdigest()}
 
     def abort(self) -> None:
@@ -168,7 +168,7 @@ class ShardFile:
         self.tmp.unlink(missing_ok=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a rename durable: without it a power cut can forget a rename the state file already records."""
     fd = os.open(path, os.O_RDONLY)
     try:
