@@ -34,8 +34,11 @@ def keep_freed_memory() -> bool:
     By default glibc serves every allocation over its mmap threshold (at most 32 MB) with a fresh mmap and
     unmaps it on free, so each training step on CPU page-faults its ~100 MB logits buffers in again. With
     mmap off and a high trim threshold, the tiny-cpu preset ran 100 steps in 40 s instead of 174 s (same
-    losses, +31% peak memory). Returns False where the C library is not glibc (nothing is changed there).
+    losses, +31% peak memory). Returns False where the C library is not glibc, or where the user already set
+    glibc's malloc tunables in the environment (theirs win).
     """
+    if any(k in os.environ for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+        return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):

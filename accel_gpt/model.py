@@ -102,9 +102,13 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx (B, T) token ids -> logits (B, T, vocab_size), and the mean cross-entropy if targets given."""
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, return_logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """idx (B, T) token ids -> logits (B, T, vocab_size), and the mean cross-entropy if targets given.
+
+        Training passes `return_logits=False`: under bf16, Accelerate casts every returned tensor to fp32, which
+        for (B, T, 50,304) logits is a large copy kept alive through backward.
+        """
         B, T = idx.shape
         if T > self.config.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len={self.config.seq_len}")
@@ -119,7 +123,7 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
-        return logits, loss
+        return (logits if return_logits else None), loss
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters; without position embeddings by default (the tied wte still does lm_head's work)."""

@@ -139,7 +139,7 @@ def accumulate_gradients(model: torch.nn.Module, batches: Iterator, accelerator:
     for _ in range(accelerator.gradient_accumulation_steps):
         x, y = next(batches)
         with accelerator.accumulate(model):
-            _, loss = model(x, y)
+            _, loss = model(x, y, return_logits=False)
             accelerator.backward(loss)  # divides by gradient_accumulation_steps itself: no scaling here
         loss_sum += loss.detach()
     return loss_sum

@@ -73,7 +73,7 @@ def plain_step(
     for _ in range(accum):
         x, y = next(batches)
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
-            _, loss = model(x, y)
+            _, loss = model(x, y, return_logits=False)
         (loss / accum).backward()
         loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
