@@ -14,7 +14,9 @@ if "--pretend-gpu" in sys.argv:
 
 def check() -> None:
     accelerator = distributed.make_accelerator()
-    print(f"rank {accelerator.process_index} num_processes={accelerator.num_processes}", flush=True)
+    # one write per line: the two ranks share the launcher's stdout
+    sys.stdout.write(f"rank {accelerator.process_index} num_processes={accelerator.num_processes}\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
