@@ -39,7 +39,8 @@ def small_vocab_data(tmp_path_factory: pytest.TempPathFactory, shakespeare_token
 def _train(out: Path, data: Path, processes: int, micro: int, total: int = 64 * 4) -> Path:
     args = ["train", *COMMON, "--data_dir", str(data), "--out_dir", str(out)]
     args += ["--micro_batch_size", str(micro), "--total_batch_size", str(total)]
-    run_cmd(accelerate_cmd(processes, *args), timeout=300)
+    proc = run_cmd(accelerate_cmd(processes, *args), timeout=300)
+    assert f"{processes} process(es) on cpu" in proc.stderr, "the launch did not form one group of that size"
     return out
 
 
