@@ -28,22 +28,56 @@ class GPTConfig:
         return asdict(self)
 
 
+class KVCache:
+    """Keys and values of the tokens a sequence has seen, so that generation feeds the model only the new token:
+    each step then costs O(T) instead of a full forward pass over the window.
+
+    One (B, n_head, seq_len, head_dim) buffer pair per layer, allocated on the first write in the dtype the
+    attention produced (bf16 under autocast). `length` tokens are cached; the next token takes that position.
+    """
+
+    def __init__(self, n_layer: int, seq_len: int) -> None:
+        self.seq_len = seq_len
+        self.length = 0
+        self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layer
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `layer`'s keys/values (B, n_head, T, head_dim) after the cached ones; return all of them."""
+        if self._layers[layer] is None:
+            shape = (k.size(0), k.size(1), self.seq_len, k.size(3))
+            self._layers[layer] = (k.new_empty(shape), v.new_empty(shape))
+        keys, values = self._layers[layer]
+        end = self.length + k.size(2)
+        keys[:, :, self.length : end] = k
+        values[:, :, self.length : end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.layer_idx = layer_idx  # where this layer's keys/values live in a KVCache
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.c_proj.residual_scale = True  # scaled at init: it adds into the residual stream
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash/memory-efficient kernel on GPU
+        start = 0
+        if cache is not None:
+            start = cache.length
+            k, v = cache.extend(self.layer_idx, k, v)
+        if start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash/memory-efficient kernel on GPU
+        else:  # the new tokens attend to all cached ones and, causally, to each other
+            mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, n_head, T, head_dim) -> (B, T, C)
         return self.c_proj(y)
 
@@ -60,15 +94,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer_idx)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -81,7 +115,7 @@ class GPT(nn.Module):
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
                 wpe=nn.Embedding(cfg.seq_len, cfg.n_embd),
-                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+                h=nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer)),
                 ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps),
             )
         )
@@ -102,23 +136,31 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, return_logits: bool = True
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        return_logits: bool = True,
+        cache: KVCache | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, vocab_size), and the mean cross-entropy if targets given.
 
         Training passes `return_logits=False`: under bf16, Accelerate casts every returned tensor to fp32, which
-        for (B, T, 50,304) logits is a large copy kept alive through backward.
+        for (B, T, 50,304) logits is a large copy kept alive through backward. Generation passes a `cache`:
+        `idx` then continues the cached tokens (positions start at `cache.length`) and is added to the cache.
         """
         B, T = idx.shape
-        if T > self.config.seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's seq_len={self.config.seq_len}")
-        pos = torch.arange(T, device=idx.device)
+        start = 0 if cache is None else cache.length
+        if start + T > self.config.seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds the model's seq_len={self.config.seq_len}")
+        pos = torch.arange(start, start + T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         for block in self.transformer.h:
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, cache)
+        if cache is not None:
+            cache.length += T
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab_size)
         loss = None
         if targets is not None:

@@ -1,12 +1,14 @@
 """Text generation: temperature / top-k sampling (temperature 0 = greedy), reproducible from a seed.
 
-The model has no KV cache, so each new token is one forward pass over the last `seq_len` tokens: a
-prompt longer than the context is cropped from the left, and a sequence keeps growing past `seq_len`
-as a sliding window.
+With a KV cache (the default) the prompt is run once and each new token is one forward pass over that token
+alone. The context is the model's `seq_len`: a prompt longer than that is cropped from the left, and once a
+sequence outgrows it the window slides, which with absolute positions means a full forward pass over the last
+`seq_len` tokens per new token, as without a cache.
 
-During training every rank calls `sample_text` with the same seed on its prepared model (DDP- or
-FSDP-wrapped, compiled, autocast all work: every rank runs the same number of forward passes, which
-FSDP's gathers need), and only the main process prints the result.
+During training every rank calls `sample_texts` with the same seed on its prepared model (DDP- or
+FSDP-wrapped, autocast, compiled: every rank runs the same number of forward passes, which FSDP's gathers
+need), and only the main process prints the result. A compiled model is sampled without a cache, since a
+cache's growing length would make `torch.compile` recompile at every token.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import argparse
 import torch
 
 from accel_gpt.errors import UserError
-from accel_gpt.model import GPTConfig
+from accel_gpt.model import GPTConfig, KVCache
 from accel_gpt.tokenizer import Tokenizer
 
 
@@ -44,15 +46,22 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    use_cache: bool = True,
 ) -> torch.Tensor:
     """(B, T) prompt ids -> (B, T + max_new_tokens): the prompt followed by the generated tokens.
 
     `generator` (on the same device as `idx`) makes the draws reproducible; `top_k` None or 0 keeps
-    the whole vocabulary. The caller sets eval mode (`sample_text` does).
+    the whole vocabulary. The caller sets eval mode (`sample_texts` does).
     """
-    seq_len = gpt_config(model).seq_len
+    cfg = gpt_config(model)
+    cache = KVCache(cfg.n_layer, cfg.seq_len) if use_cache else None
     for _ in range(max_new_tokens):
-        logits, _ = model(idx[:, -seq_len:])  # the model sees at most its context window
+        if cache is not None and 0 < cache.length < cfg.seq_len:
+            logits, _ = model(idx[:, -1:], cache=cache)  # only the newest token; the rest is cached
+        else:  # no cache, an empty one, or a full one: the window slides, positions shift, start again
+            if cache is not None:
+                cache.length = 0
+            logits, _ = model(idx[:, -cfg.seq_len :], cache=cache)  # the model sees at most its context
         logits = logits[:, -1, :].float()  # (B, V)
         if temperature == 0:
             next_id = logits.argmax(-1, keepdim=True)
@@ -76,9 +85,11 @@ def sample_texts(
     seed: int,
     device: str | torch.device,
     num_samples: int = 1,
+    use_cache: bool = True,
 ) -> list[str]:
     """`num_samples` continuations of `prompt` (each returned with the prompt in front), drawn together
-    from one generator seeded with `seed`: the same arguments give the same texts."""
+    from one generator seeded with `seed`: the same arguments give the same texts. Accepts a prepared
+    model as it is (no unwrap needed); `device` is where the model lives (`accelerator.device` in training)."""
     if temperature < 0:
         raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 0:
@@ -91,24 +102,9 @@ def sample_texts(
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
-    out = generate(model, idx, max_new_tokens, temperature, top_k, generator)
+    out = generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cache)
     model.train(was_training)
     return [tokenizer.decode(row) for row in out.tolist()]
-
-
-def sample_text(
-    model: torch.nn.Module,
-    tokenizer: Tokenizer,
-    prompt: str,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int,
-    device: str | torch.device,
-) -> str:
-    """One continuation of `prompt`, prompt included. Accepts the prepared model as it is (no unwrap
-    needed); `device` is where the model lives (`accelerator.device` in training)."""
-    return sample_texts(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, device)[0]
 
 
 def _encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:

@@ -312,10 +312,18 @@ def evaluate(run: Run, accelerator: Accelerator, cfg: TrainConfig, state: TrainS
     state.best_val_loss = min(state.best_val_loss, val_loss)
     row: dict[str, Any] = {"val_loss": val_loss}
     if run.tokenizer is not None:
-        from accel_gpt.sample import sample_text
+        from accel_gpt.sample import sample_texts
 
-        text = sample_text(
-            run.model, run.tokenizer, cfg.sample_prompt, cfg.sample_tokens, 1.0, 50, cfg.seed, accelerator.device
+        (text,) = sample_texts(
+            run.model,
+            run.tokenizer,
+            cfg.sample_prompt,
+            cfg.sample_tokens,
+            temperature=1.0,
+            top_k=50,
+            seed=cfg.seed,
+            device=accelerator.device,
+            use_cache=not cfg.compile,
         )
         logger.info(f"sample at step {state.step}: {text!r}")
     return row

@@ -106,7 +106,7 @@ from accel_gpt.artifacts import load_model
 from accel_gpt.data.loader import val_windows
 from accel_gpt.distributed import make_accelerator
 from accel_gpt.evaluate import evaluate_hellaswag, evaluate_loss, load_hellaswag
-from accel_gpt.sample import sample_text
+from accel_gpt.sample import sample_texts
 
 checkpoint, hellaswag, data_dir, out, batch, eval_steps = sys.argv[1:]
 accelerator = make_accelerator()
@@ -116,7 +116,7 @@ val_dl = DataLoader(val_windows(data_dir, model.config.seq_len, int(eval_steps) 
 model, val_dl = accelerator.prepare(model, val_dl)
 row = evaluate_hellaswag(model, accelerator, load_hellaswag(hellaswag), int(batch))
 row["val_loss"] = evaluate_loss(model, val_dl, accelerator)
-row["text"] = sample_text(model, tokenizer, "Hello", 8, 1.0, 50, 3, accelerator.device)
+row["text"] = sample_texts(model, tokenizer, "Hello", 8, 1.0, 50, 3, accelerator.device)[0]
 row.update(num_processes=accelerator.num_processes, wrapper=type(model).__name__, training=model.training)
 Path(out, f"rank{accelerator.process_index}.json").write_text(json.dumps(row))
 '''

@@ -10,8 +10,8 @@ from conftest import python_cmd, run_cmd
 
 from accel_gpt.artifacts import load_model, save_model
 from accel_gpt.errors import UserError
-from accel_gpt.model import GPT, GPTConfig
-from accel_gpt.sample import generate, sample_text, sample_texts
+from accel_gpt.model import GPT, GPTConfig, KVCache
+from accel_gpt.sample import generate, sample_texts
 from accel_gpt.tokenizer import GPT2Tokenizer
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=64, vocab_size=50304)
@@ -34,7 +34,7 @@ def loaded(checkpoint: Path) -> tuple[GPT, GPT2Tokenizer]:
 def draw(loaded, seed: int, **kw) -> str:
     model, tokenizer = loaded
     args = {"prompt": "Once upon a time", "max_new_tokens": 12, "temperature": 1.0, "top_k": None, **kw}
-    return sample_text(model, tokenizer, seed=seed, device="cpu", **args)
+    return sample_texts(model, tokenizer, seed=seed, device="cpu", **args)[0]
 
 
 def test_same_seed_same_text_other_seed_differs(loaded) -> None:
@@ -64,6 +64,43 @@ def test_long_prompt_is_cropped_from_the_left_and_the_window_slides(loaded) -> N
     assert out.shape == (1, 80) and torch.equal(out[:, :70], prompt)
     cropped = generate(model, prompt[:, -TINY.seq_len :], max_new_tokens=10, temperature=0.0)
     assert torch.equal(out[:, 70:], cropped[:, TINY.seq_len :])  # only the last seq_len tokens mattered
+
+
+def test_cached_forward_gives_the_full_forward_logits(loaded) -> None:
+    """Prefill, a 3-token chunk after it (the causal mask over cached + new), then one token at a time."""
+    model, _ = loaded
+    idx = torch.randint(0, 50257, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = KVCache(TINY.n_layer, TINY.seq_len)
+        parts = [model(idx[:, :10], cache=cache)[0], model(idx[:, 10:13], cache=cache)[0]]
+        parts += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(13, 20)]
+    assert cache.length == 20
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="exceeds the model's seq_len"):
+        model(torch.zeros(2, TINY.seq_len - 19, dtype=torch.long), cache=cache)
+
+
+def test_generation_with_and_without_cache_agree(loaded) -> None:
+    """Greedy tokens are the same, also once the sequence outgrows the context and the window slides."""
+    model, _ = loaded
+    prompt = torch.randint(0, 50257, (2, 50), generator=torch.Generator().manual_seed(2))
+    cached = generate(model, prompt, max_new_tokens=24, temperature=0.0)  # 74 tokens: past seq_len=64
+    assert torch.equal(cached, generate(model, prompt, max_new_tokens=24, temperature=0.0, use_cache=False))
+    seeded = [
+        generate(model, prompt, 8, generator=torch.Generator().manual_seed(3), use_cache=c) for c in (True, False)
+    ]
+    assert torch.equal(*seeded)
+
+
+def test_cache_takes_the_autocast_dtype(loaded) -> None:
+    model, _ = loaded
+    cache = KVCache(TINY.n_layer, TINY.seq_len)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, _ = model(torch.zeros(1, 4, dtype=torch.long), cache=cache)
+        logits, _ = model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+    assert logits.dtype == torch.bfloat16 and cache.length == 5
+    assert all(k.dtype == torch.bfloat16 and k.shape == (1, TINY.n_head, TINY.seq_len, 16) for k, _ in cache._layers)
 
 
 def test_mode_is_restored_and_bad_arguments_are_user_errors(loaded) -> None:
