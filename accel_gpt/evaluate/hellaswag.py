@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
 
 from accel_gpt.errors import UserError
 from accel_gpt.sample import gpt_config
@@ -241,7 +242,8 @@ def score_hellaswag(
     was_training = model.training
     model.eval()
     gathered: list[dict[str, torch.Tensor]] = []
-    for batch in loader:
+    bar = tqdm(loader, desc="HellaSwag", unit="batch", leave=False, disable=not accelerator.is_main_process)
+    for batch in bar:  # 10,042 examples take minutes on a CPU: show where it is
         total, mean = candidate_losses(model, batch["tokens"], batch["mask"])
         pred_norm, pred_sum = choose(total, mean)
         result = {"position": batch["position"], "label": batch["label"], "pred_norm": pred_norm, "pred_sum": pred_sum}
