@@ -61,6 +61,7 @@ class TrainConfig:
     init_from: str = "none"  # none | a transformers GPT-2 folder or hub id
     # runtime
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile mode: default | max-autotune-no-cudagraphs | max-autotune | ...
     activation_checkpointing: bool = False
     num_workers: int = 0  # DataLoader worker processes per rank
     log_every: int = 1  # steps between host syncs for logging; every step still gets a metrics row
@@ -111,6 +112,8 @@ class TrainConfig:
                 f"total_batch_size={self.total_batch_size} is not a multiple of "
                 f"micro_batch_size*seq_len={self.micro_batch_size * self.seq_len}"
             )
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(f"compile_mode={self.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
         if self.hellaswag_every and not self.hellaswag:
             raise ConfigError("hellaswag_every > 0 needs --hellaswag SRC (a jsonl path/URL or hub id)")
 
@@ -133,6 +136,10 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+# torch.compile's modes; the CUDA-graph ones ("reduce-overhead", "max-autotune") replay whole steps, which pays
+# off where kernel launches, not the GPU, bound a step.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # Fields that define the model's shape: a resume or init that changes one of these cannot load weights.
 MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")

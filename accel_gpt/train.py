@@ -242,7 +242,7 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
             model, optimizer, train_dl, val_dl, scheduler
         )
     if cfg.compile:
-        model.compile()  # in place: state_dict keys stay those of the uncompiled model
+        model.compile(mode=cfg.compile_mode)  # in place: state_dict keys stay those of the uncompiled model
     examples = None
     if cfg.hellaswag_every > 0:
         from accel_gpt.evaluate.hellaswag import load_hellaswag

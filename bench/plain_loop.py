@@ -43,7 +43,7 @@ def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
     model = GPT(GPTConfig(**{name: getattr(cfg, name) for name in MODEL_FIELDS})).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.compile:
-        model.compile()  # as the trainer does: in place
+        model.compile(mode=cfg.compile_mode)  # as the trainer does: in place
     return model
 
 

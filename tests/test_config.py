@@ -42,6 +42,8 @@ def test_types_are_checked() -> None:
         load_config(None, {"data_dir": "d", "n_layer": "two"})
     with pytest.raises(ConfigError, match="compile='yes' must be true or false"):
         load_config(None, {"data_dir": "d", "compile": "yes"})
+    with pytest.raises(ConfigError, match="compile_mode='fast' is not one of default, reduce-overhead"):
+        load_config(None, {"data_dir": "d", "compile_mode": "fast"})
 
 
 def test_accumulation_is_derived_from_world_size() -> None:

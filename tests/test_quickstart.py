@@ -325,6 +325,13 @@ def expand_shell_vars(command: str) -> str:
     return re.sub(r"\$(\w+)", lambda m: SHELL_VARS[m.group(1)], command)
 
 
+def check_bench_script(script: str, args: list[str]) -> None:
+    """A benchmark script exists and defines every flag the README passes it (launching one costs seconds)."""
+    source = (REPO / script).read_text()
+    for flag in (a for a in args if a.startswith("--")):
+        assert f'"{flag}"' in source, f"{script} has no {flag}"
+
+
 def check_command(command: str) -> None:
     """Raise if `command` would not work as the README shows it (within what a CPU without internet can tell)."""
     if command in OTHER_COMMANDS:
@@ -341,6 +348,8 @@ def check_command(command: str) -> None:
         check_command(words[3])
     elif words[:3] == ["pip", "install", "-e"]:
         check_pip_install(words)
+    elif words[0] == "python" and words[1].startswith("bench/"):
+        check_bench_script(words[1], words[2:])
     elif words[0] == "export":
         assert re.fullmatch(r"\w+=\S+", words[1])
     else:
@@ -370,6 +379,8 @@ def test_command_checker_catches_stale_commands() -> None:
         "accelerate launch --restarts 3 run.py train --config gpt2-124m",
         'pip install -e ".[plots]"',
         "python run.py new-command",
+        "python bench/bench.py --find_max_batches 124m",
+        "python bench/benchmark.py",
     ]
     for command in stale:
         with pytest.raises((AssertionError, SystemExit, Exception)):
