@@ -34,6 +34,8 @@ class KVCache:
 
     One (B, n_head, seq_len, head_dim) buffer pair per layer, allocated on the first write in the dtype the
     attention produced (bf16 under autocast). `length` tokens are cached; the next token takes that position.
+    A plain class on purpose: FSDP's mixed-precision input casting rebuilds dataclasses passed to forward, and
+    the layers would then write into a copy.
     """
 
     def __init__(self, n_layer: int, seq_len: int) -> None:
