@@ -5,20 +5,22 @@
 # tiny Shakespeare and the HellaSwag rows travel in .carry/ (git-ignored).
 #
 #   bash bench/gpu_session.sh carry       # here, once: copy ../shared's files into .carry/
-#   bash bench/gpu_session.sh 1           # there (device run with carry [".carry"]), then 2, 3, 4
+#   bash bench/gpu_session.sh 1           # there (device run with carry [".carry"]), then 2, 3, 4, 5
 #
 #   1  GPT-2 124M, accel_gpt vs the plain loop, compile off; largest micro-batch for 124M
 #   2  the same with compile on; HellaSwag over all 10,042 rows (124M, bf16); generation speed
 #   3  Accelerate's fp32 output cast A/B; largest micro-batch for 350M and 774M
 #   4  a short real run end to end: train 124M on tiny Shakespeare (compile, bf16, eval, HellaSwag,
 #      checkpoints), resume it, then eval, sample and export from its directory
+#   5  if device time is left: compile_mode max-autotune-no-cudagraphs against phase 2; the largest
+#      micro-batch for 774M with activation checkpointing
 #
 # Every command's output goes to $OUT/phaseN.log (the device tool brings $OUT back), else runs/gpu/. Each
 # command has its own time limit, so one that hangs costs its own budget and not the rest of the phase.
 # DRY_RUN_FLAGS (train flags appended in phase 4, e.g. a 2-layer model without compile) checks it on a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash bench/gpu_session.sh carry|1|2|3|4}
+phase=${1:?usage: bash bench/gpu_session.sh carry|1|2|3|4|5}
 
 if [ "$phase" = carry ]; then
     mkdir -p .carry/data
@@ -81,8 +83,12 @@ case $phase in
     step 60 "$PY" run.py export --checkpoint "$run" --out_dir runs/gpu-export
     cp "$run/metrics.jsonl" "$out/train_metrics.jsonl" 2>/dev/null
     ;;
+5)
+    step 420 "$PY" bench/bench.py --compile on --pairs 1 --flags "--compile_mode max-autotune-no-cudagraphs"
+    step 150 "$PY" bench/bench.py --find_max_batch 774m --flags "--activation_checkpointing true"
+    ;;
 *)
-    echo "unknown phase $phase: carry, 1, 2, 3 or 4" >&2
+    echo "unknown phase $phase: carry, 1, 2, 3, 4 or 5" >&2
     exit 2
     ;;
 esac
