@@ -82,21 +82,23 @@ def test_lr_schedule_is_warmup_then_cosine(invariance_runs: dict[str, Path]) -> 
     assert lrs == pytest.approx([5e-4, 1e-3, *cosine], rel=1e-9)
 
 
-def test_compiled_training_matches_eager(
+def test_compiled_ddp_training_matches_eager(
     invariance_runs: dict[str, Path], small_vocab_data: Path, tmp_path: Path
 ) -> None:
-    """`compile: true` (the gpt2-124m preset's setting) takes the same steps as eager to float round-off;
-    evaluation and sampling run on the compiled model, and the weights keep their uncompiled names."""
+    """`compile: true` (the gpt2-124m preset's setting) on a DDP-wrapped model takes the same steps as eager to
+    float round-off; evaluation and sampling run on the compiled model, and the weights keep their names."""
     out = tmp_path / "compiled"
     args = ["train", *COMMON, "--data_dir", str(small_vocab_data), "--out_dir", str(out), "--compile", "true"]
     args += ["--micro_batch_size", "2", "--total_batch_size", "256", "--eval_every", "3", "--eval_steps", "1"]
-    proc = run_cmd(python_cmd(*args, "--sample_tokens", "4"), timeout=600)
-    assert "sample at step 3" in proc.stderr
-    eager, compiled = _rows(invariance_runs["w1_a8"]), _rows(out)
+    inductor = tmp_path / "inductor"  # a fresh cache: what it holds afterwards shows that inductor compiled
+    proc = run_cmd(accelerate_cmd(2, *args, "--sample_tokens", "4"), timeout=600, TORCHINDUCTOR_CACHE_DIR=str(inductor))
+    assert "2 process(es) on cpu" in proc.stderr and "sample at step 3" in proc.stderr
+    assert any(inductor.rglob("*.py")), "no kernels were generated: the model did not compile"
+    eager, compiled = _rows(invariance_runs["w2_a4"]), _rows(out)
     assert [r["step"] for r in compiled] == list(range(1, 7)) and "val_loss" in compiled[2]
     for re_, rc in zip(eager, compiled, strict=True):
         assert abs(re_["loss"] - rc["loss"]) < 1e-4, (re_, rc)
-    we, wc = load_file(str(invariance_runs["w1_a8"] / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    we, wc = load_file(str(invariance_runs["w2_a4"] / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert we.keys() == wc.keys()
     assert max((we[k] - wc[k]).abs().max().item() for k in we) < 1e-4
 
