@@ -125,8 +125,8 @@ def train_step(run: Run, batches: Iterator, accelerator: Accelerator, cfg: Train
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    loss = accelerator.reduce(loss_sum, "mean") / accelerator.gradient_accumulation_steps
-    return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+    # this rank's mean loss; LogWindow.collect averages it over the ranks, one collective per log window
+    return {"loss": loss_sum / accelerator.gradient_accumulation_steps, "grad_norm": grad_norm, "lr": lr}
 
 
 def accumulate_gradients(model: torch.nn.Module, batches: Iterator, accelerator: Accelerator) -> torch.Tensor:
@@ -378,9 +378,16 @@ class LogWindow:
             self.stop.fill_(1.0)
 
     def collect(self, step: int) -> tuple[list[dict[str, Any]], bool]:
-        """Read the window's values from the device (one sync); also whether any rank asked to stop."""
-        stop = self.accelerator.reduce(self.stop, "sum")
-        values = torch.stack([torch.stack([r["loss"], r["grad_norm"].float()]) for r in self.rows]).tolist()
+        """Read the window's values from the device (one sync); also whether any rank asked to stop.
+
+        One all-reduce per window sums the ranks' losses and stop flags together.
+        """
+        summed = self.accelerator.reduce(
+            torch.cat([torch.stack([r["loss"] for r in self.rows]), self.stop[None]]), "sum"
+        )
+        losses, stop = summed[:-1] / self.accelerator.num_processes, summed[-1]
+        grad_norms = torch.stack([r["grad_norm"].float() for r in self.rows])
+        values = torch.stack([losses, grad_norms], dim=1).tolist()
         tokens_per_sec = len(self.rows) * self.cfg.total_batch_size / (time.perf_counter() - self.t0)
         flops_per_sec = tokens_per_sec * self.flops_per_token
         mfu = flops_per_sec / (self.peak * self.accelerator.num_processes) if self.peak else None
