@@ -1,18 +1,18 @@
-"""Checkpoints: `TrainState`, atomic `save_state` folders, pruning, and resuming from one.
+"""Checkpoints: the `step_XXXXXXXX` folder, the trainer state that rides in it, and the `Checkpointer`.
 
 Layout: `out_dir/checkpoints/step_XXXXXXXX/` holds what `accelerator.save_state` writes (model.safetensors,
 optimizer.bin, scheduler.bin, random_states_{rank}.pkl for every rank, custom_checkpoint_0.pkl with the
 `TrainState`), plus `model_config.json` (so eval/sample/export can read it) and `COMPLETE`, written last.
 
-A save goes into a hidden `.tmp-step_XXXXXXXX/` folder. Once every rank has written its part, the main process
-fsyncs it, writes `COMPLETE` and renames it into place; a folder is deleted by first renaming it to a hidden
-`.trash-` name. So a crash at any moment leaves each `step_*` folder either complete or absent (plus hidden
-leftovers that the next save removes), and the previous checkpoint is always intact. Readers trust only folders
-with `COMPLETE`.
+A save goes into a hidden `.tmp-step_XXXXXXXX/` folder. Once every rank has written its part, the main
+process fsyncs it, writes `COMPLETE` and renames it into place; a folder is deleted by first renaming it to
+a hidden `.trash-` name. So a crash at any moment leaves each `step_*` folder either complete or absent
+(plus hidden leftovers that the next save removes), and the previous checkpoint is always intact. Readers
+trust only folders with `COMPLETE`.
 
-The model weights are saved under the unwrapped model's keys whatever the world size (accelerate 1.15 keeps the
-module it was given, not the DDP wrapper, in the list it saves), so a checkpoint written by W processes resumes
-under any W' with the same `total_batch_size`.
+The weights are saved under the unwrapped model's keys whatever the world size (Accelerate keeps the
+module it was given, not the DDP wrapper, in the list it saves), so a checkpoint written by W processes
+resumes under any W' with the same `total_batch_size`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import pickle
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +28,11 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from accel_gpt.artifacts import MODEL_CONFIG
-from accel_gpt.config import MODEL_FIELDS
-from accel_gpt.data.shards import fsync_dir
+from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.errors import UserError
+from accel_gpt.files import atomic_write_json, fsync_tree, publish
+from accel_gpt.weights import ModelCard, write_model_config
+from accel_gpt.workarounds import check_pickles_are_safe, drop_tied_head, first_line, reset_micro_step
 
 logger = get_logger(__name__)
 
@@ -40,36 +40,37 @@ CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 TMP_PREFIX = ".tmp-"  # a save in progress (or killed mid-way)
 TRASH_PREFIX = ".trash-"  # a checkpoint being deleted
-TRAIN_STATE_FILE = "custom_checkpoint_0.pkl"  # accelerate's name for the first registered object
-PICKLE_SUFFIXES = (".bin", ".pkl", ".pt")
+TRAIN_STATE_FILE = "custom_checkpoint_0.pkl"  # Accelerate's name for the first registered object
 # Fields that a resumed run must share with its checkpoint: the model's shape, the global batch (it fixes how
 # far the data stream advances per step) and the seed (it fixes the data order).
 RESUME_FIELDS = (*MODEL_FIELDS, "total_batch_size", "seed")
-_HEAD, _WTE = "lm_head.weight", "transformer.wte.weight"
 
 
 @dataclass
 class TrainState:
-    """Everything about the run's progress that the model/optimizer/scheduler states do not hold.
+    """The run's progress beyond the model/optimizer/scheduler states; rides in every `save_state`.
 
-    Registered with `accelerator.register_for_checkpointing`, so it rides in every `save_state`. Its
-    state_dict holds only numbers and strings (the same on every rank), so it loads with
+    Its state_dict holds only numbers and strings (the same on every rank), so it loads with
     `torch.load(weights_only=True)`.
     """
 
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0  # global, all ranks
     data_position: int = 0  # training windows consumed from the seeded stream
-    best_val_loss: float = math.inf
     last_val_loss: float = math.nan
     config: dict[str, Any] = field(default_factory=dict)
+
+    def advance(self, cfg: TrainConfig) -> None:
+        """One optimizer step done: the position in the window stream follows from the global batch."""
+        self.step += 1
+        self.tokens_seen += cfg.total_batch_size
+        self.data_position += cfg.windows_per_step
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "data_position": self.data_position,
-            "best_val_loss": self.best_val_loss,
             "last_val_loss": self.last_val_loss,
             "config_json": json.dumps(self.config),
         }
@@ -78,7 +79,6 @@ class TrainState:
         self.step = int(sd["step"])
         self.tokens_seen = int(sd["tokens_seen"])
         self.data_position = int(sd["data_position"])
-        self.best_val_loss = float(sd["best_val_loss"])
         self.last_val_loss = float(sd["last_val_loss"])
         self.config = json.loads(sd["config_json"])
 
@@ -87,68 +87,71 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-# ----------------------------------------------------------------------------------------------- save
+class Checkpointer:
+    """When to save, what to keep, and each save published atomically; also the resume at start-up.
 
-
-def save_checkpoint(
-    accelerator: Accelerator,
-    out_dir: str | Path,
-    state: TrainState,
-    model_meta: dict[str, Any],
-    keep: int,
-    keep_best: bool,
-    val_loss: float | None = None,
-) -> Path:
-    """Every rank calls this: `save_state` into a temporary folder, then the main process publishes it.
-
-    `val_loss` is the validation loss of these very weights (None when this step was not evaluated); it is what
-    `keep_best` ranks checkpoints by.
+    Every rank calls `save` and `resume` (both are collective); the main process writes the shared files.
     """
-    root = Path(out_dir) / CHECKPOINTS
-    final = root / checkpoint_name(state.step)
-    tmp = root / f"{TMP_PREFIX}{final.name}"
-    if accelerator.is_main_process:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root)
-    accelerator.wait_for_everyone()
-    handle = accelerator.register_save_state_pre_hook(_drop_tied_head)
-    try:
-        accelerator.save_state(str(tmp))
-    finally:
-        handle.remove()
-    accelerator.wait_for_everyone()  # every rank's RNG file is in tmp
-    if accelerator.is_main_process:
-        _publish(tmp, final, {**model_meta, "step": state.step}, _marker(state, val_loss))
-        prune(out_dir, keep, keep_best)
-        logger.info(f"saved checkpoint {final}")
-    accelerator.wait_for_everyone()
-    return final
 
+    def __init__(self, cfg: TrainConfig, accelerator: Accelerator, card: ModelCard, state: TrainState) -> None:
+        self.accelerator, self.card, self.state = accelerator, card, state
+        self.out_dir, self.every = Path(cfg.out_dir), cfg.save_every
+        self.keep, self.keep_best = cfg.keep_checkpoints, cfg.keep_best
+        accelerator.register_for_checkpointing(state)
 
-def _drop_tied_head(models: list, weights: list[dict[str, Any]], output_dir: str) -> None:
-    """Save the tied LM head once, as wte. accelerate would drop the alias itself (safetensors refuses shared
-    tensors) but warns at every save; loading re-ties it either way."""
-    for sd in weights:
-        head, wte = sd.get(_HEAD), sd.get(_WTE)
-        if head is not None and wte is not None and head.data_ptr() == wte.data_ptr():
-            del sd[_HEAD]
+    def due(self, step: int, last: bool, stopping: bool = False) -> bool:
+        """Every `save_every` steps, at the last step, and when a stop was requested (0 turns all three off)."""
+        return self.every > 0 and (step % self.every == 0 or last or stopping)
 
+    def save(self, val_loss: float | None) -> Path:
+        """`save_state` into a temporary folder, then the main process publishes it and prunes.
 
-def _marker(state: TrainState, val_loss: float | None) -> dict[str, Any]:
-    return {"step": state.step, "tokens_seen": state.tokens_seen, "val_loss": val_loss}
+        `val_loss` is the validation loss of these very weights (None when this step was not evaluated);
+        it is what `keep_best` ranks checkpoints by.
+        """
+        root = self.out_dir / CHECKPOINTS
+        final = root / checkpoint_name(self.state.step)
+        tmp = root / f"{TMP_PREFIX}{final.name}"
+        if self.accelerator.is_main_process:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_leftovers(root)
+        self.accelerator.wait_for_everyone()
+        handle = self.accelerator.register_save_state_pre_hook(drop_tied_head)
+        try:
+            self.accelerator.save_state(str(tmp))
+        finally:
+            handle.remove()
+        self.accelerator.wait_for_everyone()  # every rank's RNG file is in tmp
+        if self.accelerator.is_main_process:
+            write_model_config(tmp, ModelCard(self.card.model, self.card.tokenizer, self.state.step))
+            fsync_tree(tmp)  # the data must be on disk before the marker that vouches for it
+            marker = {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "val_loss": val_loss}
+            atomic_write_json(tmp / COMPLETE, marker)
+            if final.exists():  # the same step saved again (e.g. resumed from an older checkpoint by path)
+                _remove(final)
+            publish(tmp, final)
+            prune(self.out_dir, self.keep, self.keep_best)
+            logger.info(f"saved checkpoint {final}")
+        self.accelerator.wait_for_everyone()
+        return final
 
-
-def _publish(tmp: Path, final: Path, model_config: dict[str, Any], marker: dict[str, Any]) -> None:
-    """Main process: make `tmp` durable, mark it complete, and rename it to `final` in one step."""
-    (tmp / MODEL_CONFIG).write_text(json.dumps(model_config, indent=2))
-    _fsync_tree(tmp)  # the data must be on disk before the marker that vouches for it
-    (tmp / COMPLETE).write_text(json.dumps(marker))
-    _fsync_file(tmp / COMPLETE)
-    fsync_dir(tmp)
-    if final.exists():  # the same step saved again (e.g. resumed from an older checkpoint by path)
-        _remove(final)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
+    def resume(self, resume: str) -> None:
+        """Restore the checkpoint `resume` names into every registered object on every rank (or start at 0)."""
+        path = find_resume_checkpoint(resume, self.out_dir)
+        if path is None:
+            if resume == "auto":
+                logger.info("resume: auto found no complete checkpoint; starting from step 0")
+            return
+        check_pickles_are_safe(path)
+        check_resume_config(saved_state(path).config, self.state.config, path)
+        config = self.state.config
+        try:
+            self.accelerator.load_state(str(path))
+        except Exception as e:
+            raise UserError(f"cannot load checkpoint {path}: {first_line(e)}") from None
+        reset_micro_step(self.accelerator)
+        self.state.config = config  # the run goes on under the config it was started with now
+        logger.info(f"resumed from {path} at step {self.state.step}")
 
 
 def _remove(path: Path) -> None:
@@ -164,20 +167,6 @@ def _remove_leftovers(root: Path) -> None:
     for p in root.iterdir():
         if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            _fsync_file(p)
-        elif p.is_dir():
-            fsync_dir(p)
-    fsync_dir(path)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def complete_checkpoints(out_dir: str | Path, warn: bool = False) -> list[Path]:
@@ -207,9 +196,6 @@ def prune(out_dir: str | Path, keep: int, keep_best: bool) -> None:
     for p in done:
         if p not in keepers:
             _remove(p)
-
-
-# --------------------------------------------------------------------------------------------- resume
 
 
 def find_resume_checkpoint(resume: str, out_dir: str | Path) -> Path | None:
@@ -250,27 +236,6 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Pa
             )
 
 
-def check_pickles_are_safe(path: Path) -> None:
-    """Prove that every pickle in the checkpoint holds only tensors and numbers before accelerate reads it.
-
-    accelerate's `load_state` unpickles registered objects (the `TrainState`) with `weights_only=False`, which
-    runs whatever code a crafted file names. Loading every pickle here with `weights_only=True` first means that
-    such a file is refused before anything executes; truncated or garbage files are reported here too.
-    """
-    from accelerate.utils.other import load
-
-    for p in sorted(q for q in path.rglob("*") if q.suffix in PICKLE_SUFFIXES and q.is_file()):
-        try:
-            load(p, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UserError(
-                f"checkpoint file {p} holds something other than tensors and numbers ({_refusal_reason(e)}); "
-                "refusing to unpickle it, as that could run arbitrary code"
-            ) from None
-        except Exception as e:
-            raise UserError(f"checkpoint file {p} is corrupt or truncated: {_first_line(e)}") from None
-
-
 def saved_state(path: Path) -> TrainState:
     """The TrainState inside a checkpoint, read without restoring anything (after `check_pickles_are_safe`)."""
     from accelerate.utils.other import load
@@ -284,32 +249,3 @@ def saved_state(path: Path) -> TrainState:
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{file} is not an accel_gpt trainer state: {type(e).__name__} {e}") from None
     return state
-
-
-def load_checkpoint(accelerator: Accelerator, path: Path, state: TrainState, config: dict[str, Any]) -> None:
-    """Check the checkpoint is safe and fits `config`, then restore model, optimizer, scheduler, RNG and
-    `state` (registered) on every rank."""
-    check_pickles_are_safe(path)
-    check_resume_config(saved_state(path).config, config, path)
-    try:
-        accelerator.load_state(str(path))
-    except Exception as e:
-        raise UserError(f"cannot load checkpoint {path}: {_first_line(e)}") from None
-    # load_state restores accelerate's micro-step counter, and gradients sync (and the optimizer steps) when it is a
-    # multiple of the accumulation. A checkpoint sits on an optimizer-step boundary, but the counter counts the
-    # saving run's micro-steps: saved by W=2 (accumulation 1) at step 3 and resumed by W=1 (accumulation 2), it
-    # would read 3, and every resumed update would come after one micro-step and then be skipped.
-    accelerator.step = 0
-    logger.info(f"resumed from {path} at step {state.step}")
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[0] if lines else type(e).__name__
-
-
-def _refusal_reason(e: BaseException) -> str:
-    """torch's weights_only refusal is a paragraph; keep the line that names what was refused."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    named = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
-    return named[0] if named else _first_line(e)

@@ -1,104 +1,256 @@
-"""Training configuration: dataclass defaults, then a preset YAML, then `--field value` flags.
+"""Every command's settings as one dataclass: the schema for its flags, YAML files and presets.
 
-The dataclass is the schema for all three layers: YAML keys and flags are the field names, values are
-checked against the annotations, and cross-field rules live in `__post_init__` so that every way of
-building a config is validated the same way.
+Settings resolve in three layers: the dataclass defaults, then `--config` (a YAML file, or the name of
+a preset shipped in accel_gpt/presets), then `--field value` flags. Values are typed by the annotations
+(strings from the command line are parsed here), checked in `validate`, and an unknown key is an error
+naming the close matches, wherever it comes from. Every field carries the one-line help that `--help`
+shows. This module imports nothing heavy: `--help` must answer at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 
 from accel_gpt.errors import ConfigError
+from accel_gpt.files import atomic_write
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
 
+def option(default: Any, help: str, *, required: bool = False, positional: bool = False) -> Any:
+    """A config field with its `--help` line. `required`: the command line must give it unless `--config` does."""
+    meta = {"help": help, "required": required, "positional": positional}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
-class TrainConfig:
-    # data and outputs
-    data_dir: str = ""  # token shards + manifest.json written by `run.py prepare`
-    out_dir: str = "runs/gpt2"
-    # model (defaults: GPT-2 124M)
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    seq_len: int = 1024
-    vocab_size: int = 50_304  # 50,257 padded up to a multiple of 128 for faster matmuls
-    # optimization
-    total_batch_size: int = 524_288  # tokens per optimizer step, all ranks together (2**19)
-    micro_batch_size: int = 16  # sequences per rank per forward pass
-    max_steps: int = 19_073  # 10B tokens / 524,288 tokens per step
-    learning_rate: float = 6e-4
-    min_lr_ratio: float = 0.1  # cosine decays to min_lr_ratio * learning_rate
-    warmup_steps: int = 715
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0  # 0 disables clipping
-    beta1: float = 0.9
-    beta2: float = 0.95
-    seed: int = 1337
-    # evaluation and sampling (0 turns a periodic action off)
-    eval_every: int = 250
-    eval_steps: int = 20  # validation batches per rank per evaluation
-    hellaswag_every: int = 0
-    hellaswag: str = ""  # HellaSwag source for in-training eval: jsonl path/URL or hub id
-    hellaswag_limit: int = 0  # score only the first N examples (0 = all)
-    sample_tokens: int = 32  # tokens sampled at each evaluation (0 = no samples)
-    sample_prompt: str = "\n"
-    # checkpoints
-    save_every: int = 1000
-    keep_checkpoints: int = 2
-    keep_best: bool = False
-    resume: str = "none"  # none | auto | a checkpoint path
-    init_from: str = "none"  # none | a transformers GPT-2 folder or hub id
-    # runtime
-    compile: bool = False
-    compile_mode: str = "default"  # torch.compile mode: default | max-autotune-no-cudagraphs | max-autotune | ...
-    activation_checkpointing: bool = False
-    num_workers: int = 0  # DataLoader worker processes per rank
-    log_every: int = 1  # steps between host syncs for logging; every step still gets a metrics row
-    log_with: str = "auto"  # auto (TensorBoard if installed) | none | tensorboard | wandb | ...
+class Config:
+    """Base of every command's settings: typing of values, validation, loading from YAML/presets/flags."""
+
+    command: ClassVar[str]
+    config: str = option("", "a YAML file of these settings, or the name of a preset (listed below)")
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        positive = (
-            "n_layer",
-            "n_head",
-            "n_embd",
-            "seq_len",
-            "vocab_size",
-            "total_batch_size",
-            "micro_batch_size",
-            "max_steps",
-            "log_every",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        non_negative = (
-            "warmup_steps",
-            "eval_every",
-            "eval_steps",
-            "hellaswag_every",
-            "hellaswag_limit",
-            "sample_tokens",
-            "save_every",
-            "keep_checkpoints",
-            "num_workers",
-            "weight_decay",
-            "grad_clip",
-        )
-        for name in non_negative:
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            setattr(self, f.name, coerce(f.name, getattr(self, f.name), hints[f.name]))
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-field rules; raise ConfigError with the offending value and what is expected."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def load(cls: type[C], config: str = "", overrides: dict[str, Any] | None = None) -> C:
+        """Defaults, then the YAML file or preset `config`, then `overrides` (flags win)."""
+        values = preset_values(cls, config) if config else {}
+        overrides = dict(overrides or {})
+        check_keys(cls, overrides, "the command line")
+        return cls(**{**values, **overrides, "config": config})
+
+
+C = TypeVar("C", bound=Config)
+
+
+def presets_dir(cls: type[Config]) -> Path:
+    return PRESETS_DIR if cls.command == "train" else PRESETS_DIR / cls.command
+
+
+def preset_names(cls: type[Config]) -> list[str]:
+    return sorted(p.stem for p in presets_dir(cls).glob("*.yaml"))
+
+
+def preset_values(cls: type[Config], name_or_path: str) -> dict[str, Any]:
+    """The keys of a YAML file, or of the preset called `name_or_path`, checked against `cls`."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = presets_dir(cls) / f"{name_or_path.removesuffix('.yaml')}.yaml"
+    if not path.is_file():
+        names = preset_names(cls)
+        close = difflib.get_close_matches(name_or_path, names, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; presets: {', '.join(names) or 'none'}"
+        raise ConfigError(f"config '{name_or_path}' is neither a YAML file nor a {cls.command} preset{hint}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid UTF-8 YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of {cls.command} settings, got {type(data).__name__}")
+    data.pop("config", None)  # a saved config.yaml records where it came from; that is not a layer to follow
+    check_keys(cls, data, str(path))
+    return data
+
+
+def check_keys(cls: type[Config], keys: typing.Iterable[str], where: str) -> None:
+    """Reject unknown keys, naming the closest real ones (typos are the usual cause)."""
+    known = [f.name for f in fields(cls)]
+    for key in keys:
+        if key not in known:
+            raise ConfigError(f"unknown {cls.command} setting '{key}' in {where}{did_you_mean(key, known)}")
+
+
+def did_you_mean(word: str, choices: typing.Sequence[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, choices, n=3, cutoff=0.6)
+    if close:
+        return f"; did you mean {', '.join(prefix + c for c in close)}?"
+    return f"; known: {', '.join(prefix + c for c in choices)}"
+
+
+def coerce(name: str, value: Any, annotation: Any) -> Any:
+    """Check one value against its annotation; strings (from the command line) are parsed."""
+    optional = False
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional, annotation = True, args[0]
+    if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", ""))):
+        return None
+    if typing.get_origin(annotation) is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}{_close(value, choices)}")
+        return value
+    if typing.get_origin(annotation) is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{name}={value!r} must be a list")
+        return [coerce(name, v, typing.get_args(annotation)[0]) for v in value]
+    parse = _PARSERS.get(annotation)
+    return value if parse is None else parse(name, value)
+
+
+def _close(value: Any, choices: tuple) -> str:
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(f"{name}={value!r} must be true or false")
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            as_float = float(value.replace("_", ""))
+        except ValueError:
+            as_float = math.nan
+        if as_float.is_integer():
+            return int(as_float) if "e" in value.lower() or "." in value else int(value.replace("_", ""))
+    raise ConfigError(f"{name}={value!r} must be an integer")
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r} must be a finite number")
+        return float(value)
+    raise ConfigError(f"{name}={value!r} must be a number")
+
+
+def _str(name: str, value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, str | int | float) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"{name}={value!r} must be a string")
+
+
+_PARSERS = {bool: _bool, int: _int, float: _float, str: _str}
+
+
+def at_least(cfg: Config, minimum: float, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if value is not None and value < minimum:
+            raise ConfigError(f"{name}={value} must be >= {minimum}")
+
+
+# ------------------------------------------------------------------------------------------------ train
+
+# Fields that define the model's shape: a resume or init that changes one of these cannot load weights.
+MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")
+# torch.compile's modes; the CUDA-graph ones replay whole steps, which pays off where launches bound a step.
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+@dataclass
+class TrainConfig(Config):
+    command: ClassVar[str] = "train"
+    # data and outputs
+    data_dir: str = option("", "token shards + manifest.json written by `run.py prepare` (required)")
+    out_dir: str = option("runs/gpt2", "run directory: config.yaml, metrics.jsonl, checkpoints/, final weights")
+    # model (defaults: GPT-2 124M)
+    n_layer: int = option(12, "transformer blocks")
+    n_head: int = option(12, "attention heads per block")
+    n_embd: int = option(768, "width of the residual stream")
+    seq_len: int = option(1024, "tokens per training sequence; also the model's context (position table)")
+    vocab_size: int = option(50_304, "embedding rows: GPT-2's 50,257 padded to a multiple of 128 for fast matmuls")
+    # optimization
+    total_batch_size: int = option(524_288, "tokens per optimizer step, all processes together (2**19)")
+    micro_batch_size: int = option(16, "sequences per process per forward pass")
+    max_steps: int = option(19_073, "optimizer steps to train (10B tokens / 524,288 per step)")
+    learning_rate: float = option(6e-4, "peak learning rate, reached after warmup_steps")
+    min_lr_ratio: float = option(0.1, "the cosine decays to min_lr_ratio * learning_rate at max_steps")
+    warmup_steps: int = option(715, "steps of linear warm-up from 0")
+    weight_decay: float = option(0.1, "AdamW decoupled weight decay on matrices and embeddings")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = no clipping)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    seed: int = option(1337, "initial weights and data order")
+    # evaluation and sampling (0 turns a periodic action off)
+    eval_every: int = option(250, "steps between validation-loss evaluations (0 = never; also on the last step)")
+    eval_steps: int = option(20, "validation batches of micro_batch_size windows per evaluation")
+    hellaswag_every: int = option(0, "steps between HellaSwag evaluations (0 = never)")
+    hellaswag: str = option("", "HellaSwag source for in-training evaluation: a jsonl path/URL or hub id")
+    hellaswag_limit: int = option(0, "score only the first N HellaSwag examples (0 = all)")
+    sample_tokens: int = option(32, "tokens sampled at each evaluation (0 = no samples)")
+    sample_prompt: str = option("\n", "the prompt of those samples")
+    # checkpoints
+    save_every: int = option(1000, "steps between checkpoints (0 = none); also at the end and on SIGTERM/SIGINT")
+    keep_checkpoints: int = option(2, "keep the newest N checkpoints (0 = all)")
+    keep_best: bool = option(False, "also keep the checkpoint with the lowest validation loss")
+    resume: str = option("none", "none | auto (the newest complete checkpoint in out_dir) | a checkpoint folder")
+    init_from: str = option("none", "none | a transformers GPT-2 folder or hub id to start from")
+    # runtime
+    compile: bool = option(False, "torch.compile the model")
+    compile_mode: CompileMode = option("default", "torch.compile mode")
+    activation_checkpointing: bool = option(False, "recompute each block in backward: less memory, ~30% more compute")
+    num_workers: int = option(0, "DataLoader worker processes per process")
+    log_every: int = option(1, "steps between host syncs for logging; every step still gets a metrics row")
+    log_with: str = option("auto", "trackers: auto (TensorBoard if installed) | none | tensorboard | wandb | ...")
+
+    def validate(self) -> None:
+        at_least(self, 1, "n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "total_batch_size")
+        at_least(self, 1, "micro_batch_size", "max_steps", "log_every")
+        at_least(self, 0, "warmup_steps", "eval_every", "eval_steps", "hellaswag_every", "hellaswag_limit")
+        at_least(self, 0, "sample_tokens", "save_every", "keep_checkpoints", "num_workers", "weight_decay")
+        at_least(self, 0, "grad_clip")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if not self.data_dir:
@@ -107,13 +259,18 @@ class TrainConfig:
             raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if self.seed < 0:
+            raise ConfigError(f"seed={self.seed} must be >= 0")
         if self.total_batch_size % (self.micro_batch_size * self.seq_len):
             raise ConfigError(
                 f"total_batch_size={self.total_batch_size} is not a multiple of "
                 f"micro_batch_size*seq_len={self.micro_batch_size * self.seq_len}"
             )
-        if self.compile_mode not in COMPILE_MODES:
-            raise ConfigError(f"compile_mode={self.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
+        if self.eval_every and not self.eval_steps:
+            raise ConfigError("eval_steps=0 leaves nothing to evaluate; set eval_steps >= 1 or eval_every 0")
         if self.hellaswag_every and not self.hellaswag:
             raise ConfigError("hellaswag_every > 0 needs --hellaswag SRC (a jsonl path/URL or hub id)")
 
@@ -133,139 +290,104 @@ class TrainConfig:
             )
         return self.total_batch_size // per_micro
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+
+# ---------------------------------------------------------------------------------------------- prepare
 
 
-# torch.compile's modes; the CUDA-graph ones ("reduce-overhead", "max-autotune") replay whole steps, which pays
-# off where kernel launches, not the GPU, bound a step.
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+@dataclass
+class PrepareConfig(Config):
+    command: ClassVar[str] = "prepare"
+    dataset: str = option("", "the text: a hub id, local txt/json/jsonl/parquet/csv files or folder, or http(s) URL")
+    dataset_config: str | None = option(None, "hub dataset config name, e.g. sample-10BT")
+    split: str = option("train", "split to read")
+    val_split: str | None = option(None, "the dataset's own validation split, if it has one")
+    text_column: str = option("text", "column holding the text")
+    sample_by: Literal["", "line", "paragraph", "document"] = option(
+        "", "plain text only: what one document is (unset: paragraph; document with --tokenizer char)"
+    )
+    tokenizer: Literal["gpt2", "char"] = option("gpt2", "gpt2 (tiktoken BPE, EOT before every document) or char")
+    out_dir: str = option("data/shards", "where shards and manifest.json go")
+    shard_size: int = option(100_000_000, "tokens per shard")
+    val_tokens: int = option(0, "the first N tokens go to the val split (when there is no --val_split)")
+    num_proc: int = option(1, "tokenizer worker processes")
+    streaming: bool = option(False, "stream the dataset: bounded memory, any size")
+    limit: int = option(0, "read only the first N documents of each split (0 = all)")
+    num_shards: int | None = option(None, "split the input into K parts, one per machine (unset: WORLD_SIZE)")
+    shard_index: int | None = option(None, "which part (0..K-1) this process prepares (unset: RANK)")
+    merge: bool = option(False, "only merge the finished part-*-of-K folders of --out_dir into one manifest")
+    task_chars: int = option(1 << 20, "characters per worker task: changes speed, never the output")
 
-# Fields that define the model's shape: a resume or init that changes one of these cannot load weights.
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")
-
-
-def _check_types(cfg: TrainConfig) -> None:
-    hints = typing.get_type_hints(type(cfg))
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        setattr(cfg, f.name, _coerce(f.name, value, hints[f.name]))
-
-
-def _coerce(name: str, value: Any, annotation: Any) -> Any:
-    """Check one value against its annotation; strings from the command line are parsed here."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ConfigError(f"{name}={value!r} must be true or false")
-    if annotation is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{name}={value!r} must be an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                try:
-                    as_float = float(value)
-                except ValueError:
-                    as_float = None
-                if as_float is not None and as_float.is_integer():
-                    return int(as_float)
-        raise ConfigError(f"{name}={value!r} must be an integer")
-    if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{name}={value!r} must be a number")
-    if annotation is str:
-        if value is None:
-            return "none"
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{name}={value!r} must be a string")
-    return value
+    def validate(self) -> None:
+        if not self.sample_by:
+            self.sample_by = "document" if self.tokenizer == "char" else "paragraph"
+        at_least(self, 1, "shard_size", "num_proc", "task_chars", "num_shards")
+        at_least(self, 0, "val_tokens", "limit", "shard_index")
+        if self.val_split and self.val_tokens:
+            raise ConfigError("val_split and val_tokens both set: take validation from one of them")
+        if (self.num_shards is None) != (self.shard_index is None):
+            raise ConfigError("num_shards and shard_index go together: part shard_index of num_shards parts")
+        if self.num_shards is not None and not self.shard_index < self.num_shards:
+            raise ConfigError(f"shard_index={self.shard_index} must be in 0..{self.num_shards - 1} (num_shards)")
+        if self.tokenizer == "char" and (self.num_shards or 1) > 1:
+            raise ConfigError("the char tokenizer builds its vocabulary from all the data, so it runs as one part")
+        if not self.dataset and not self.merge:
+            names = ", ".join(preset_names(PrepareConfig))
+            raise ConfigError(f"prepare needs --dataset (hub id, local file or folder, or URL) or --preset ({names})")
 
 
-def field_names() -> list[str]:
-    return [f.name for f in fields(TrainConfig)]
+# ------------------------------------------------------------------------------- eval, sample, export, plot
 
 
-def check_keys(keys: typing.Iterable[str], where: str) -> None:
-    """Reject unknown keys, naming the closest real ones (typos are the usual cause)."""
-    known = field_names()
-    for key in keys:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(close)}?" if close else f"; known keys: {', '.join(known)}"
-            raise ConfigError(f"unknown config key '{key}' in {where}{hint}")
+@dataclass
+class EvalConfig(Config):
+    command: ClassVar[str] = "eval"
+    checkpoint: str = option("", "run dir, checkpoint dir, or transformers GPT-2 folder/hub id", required=True)
+    hellaswag: str = option("", "HellaSwag source: jsonl path/URL or hub id (Rowan/hellaswag)")
+    limit: int = option(0, "score only the first N HellaSwag examples (0 = all)")
+    data_dir: str = option("", "token shards whose 'val' split gives the validation loss")
+    eval_steps: int = option(20, "validation batches of batch_size windows, shared out over the processes")
+    batch_size: int = option(8, "sequences (or HellaSwag examples) per forward pass")
+    out: str = option("", "write one jsonl line per HellaSwag example here")
+
+    def validate(self) -> None:
+        at_least(self, 1, "eval_steps", "batch_size")
+        at_least(self, 0, "limit")
+        if not self.hellaswag and not self.data_dir:
+            raise ConfigError("nothing to evaluate: pass --hellaswag SRC and/or --data_dir D")
+        if self.out and not self.hellaswag:
+            raise ConfigError("--out writes HellaSwag predictions; it needs --hellaswag")
 
 
-def resolve_preset(name_or_path: str) -> Path:
-    """A YAML path, or the name of a preset shipped in accel_gpt/presets (`tiny-cpu`)."""
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    preset = PRESETS_DIR / f"{name_or_path.removesuffix('.yaml')}.yaml"
-    if preset.is_file():
-        return preset
-    names = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
-    raise ConfigError(f"config '{name_or_path}' is neither a YAML file nor a preset ({', '.join(names)})")
+@dataclass
+class SampleConfig(Config):
+    command: ClassVar[str] = "sample"
+    checkpoint: str = option("", "run dir, checkpoint dir, or transformers GPT-2 folder/hub id", required=True)
+    prompt: str = option("\n", "text to continue")
+    max_new_tokens: int = option(100, "tokens to generate")
+    temperature: float = option(1.0, "divides the logits: below 1 is more conservative, 0 is greedy")
+    top_k: int = option(50, "keep the k most likely tokens (0 = all)")
+    num_samples: int = option(1, "independent continuations to print")
+    seed: int = option(1337, "random seed: the same seed gives the same text")
+    device: str = option("", "cpu, cuda, ... (default: cuda if available)")
+
+    def validate(self) -> None:
+        at_least(self, 0, "max_new_tokens", "temperature", "top_k", "seed")
+        at_least(self, 1, "num_samples")
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of config keys, got {type(data).__name__}")
-    return data
+@dataclass
+class ExportConfig(Config):
+    command: ClassVar[str] = "export"
+    checkpoint: str = option("", "run dir or checkpoint dir", required=True)
+    out_dir: str = option("", "a new or empty folder for from_pretrained", required=True)
 
 
-def parse_flags(argv: list[str]) -> dict[str, str]:
-    """`--field value` / `--field=value` pairs; values stay strings and are typed by the dataclass."""
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"expected --field value, got '{arg}'")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise ConfigError(f"flag --{key} needs a value")
-            value = argv[i + 1]
-            i += 1
-        out[key] = value
-        i += 1
-    return out
+@dataclass
+class PlotConfig(Config):
+    command: ClassVar[str] = "plot"
+    run_dirs: list[str] = option([], "run directories holding metrics.jsonl", positional=True)
+    out: str = option("runs.png", "output file; .png, .pdf or .svg picks the format")
 
 
-def load_config(config: str | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults, then the YAML file or preset `config`, then `overrides` (flags win)."""
-    values: dict[str, Any] = {}
-    if config:
-        path = resolve_preset(config)
-        data = read_yaml(path)
-        check_keys(data, str(path))
-        values.update(data)
-    overrides = overrides or {}
-    check_keys(overrides, "the command line")
-    values.update(overrides)
-    return TrainConfig(**values)
-
-
-def save_config(cfg: TrainConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+def save_yaml(cfg: Config, path: Path) -> None:
+    atomic_write(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,20 +1,15 @@
-"""transformers interoperability: our GPT <-> `GPT2LMHeadModel`, GPT-2 from a folder or the hub, and `export`.
+"""transformers interop: our GPT <-> `GPT2LMHeadModel`, GPT-2 from a folder or the hub, GPT-2's tokenizer files.
 
 Both models use GPT-2's parameter names, so converting is a key-for-key copy with one twist: transformers'
 GPT-2 keeps its projections in `Conv1D`, whose weight is stored (in, out), while ours are `nn.Linear`,
 stored (out, in). Those four weights per block are transposed; everything else is copied as is.
 
-The GPT-2 tokenizer files of an export are derived from tiktoken's mergeable ranks (the same source that
-`prepare` tokenizes with), so a transformers tokenizer loaded from the export gives tiktoken's ids.
+GPT-2's vocab.json and merges.txt are derived from tiktoken's mergeable ranks (the same source that `prepare`
+tokenizes with), so a transformers tokenizer built from them gives tiktoken's ids.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +21,7 @@ from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB
 
 if TYPE_CHECKING:
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase
+    from transformers import GPT2Config, GPT2LMHeadModel
 
 # Weights that transformers keeps in Conv1D layout (in, out); nn.Linear keeps (out, in).
 _CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -244,93 +239,3 @@ def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     if vocab.get("<|endoftext|>") != GPT2_EOT or len(vocab) != GPT2_VOCAB:
         raise RuntimeError(f"tiktoken's gpt2 encoding is not GPT-2's 50,257-token vocabulary ({len(vocab)})")
     return vocab, merges
-
-
-def gpt2_hf_tokenizer(
-    vocab: dict[str, int], merges: list[tuple[str, str]], model_max_length: int
-) -> PreTrainedTokenizerBase:
-    """A transformers GPT-2 tokenizer: byte-level BPE, `<|endoftext|>` as bos/eos/unk, as GPT-2's own."""
-    from transformers import GPT2Tokenizer
-
-    return GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
-
-
-def _write_vocab_and_merges(vocab: dict[str, int], merges: list[tuple[str, str]], out_dir: Path) -> None:
-    """GPT-2's original vocab.json + merges.txt beside tokenizer.json, for readers without `tokenizers`."""
-    (out_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    lines = ["#version: 0.2", *(f"{a} {b}" for a, b in merges)]
-    (out_dir / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-# ---------------------------------------------------------------- export
-
-
-def export(path: str | Path, out_dir: str | Path) -> Path:
-    """Write a run dir's or checkpoint's model as a transformers GPT-2 folder; returns that folder.
-
-    The folder holds model.safetensors + config.json + generation_config.json and the tokenizer files,
-    so `GPT2LMHeadModel.from_pretrained`, `AutoTokenizer.from_pretrained` and `pipeline` load it offline.
-    Only the 50,257 real vocabulary rows are written. Everything is staged in a temporary sibling folder
-    and renamed into place, so a failure leaves no half-written export and `out_dir` is never merged into.
-    """
-    from transformers import GenerationConfig
-
-    from accel_gpt.artifacts import load_model
-
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--out_dir {out} already exists and is not an empty folder; choose a new or empty one")
-    model, _, meta = load_model(path)
-    _check_exportable(meta["tokenizer"]["name"], model.config.vocab_size, path)
-    hf_model = to_transformers(model, vocab_size=GPT2_VOCAB)
-    hf_model.generation_config = GenerationConfig(
-        bos_token_id=GPT2_EOT,
-        eos_token_id=GPT2_EOT,
-        pad_token_id=GPT2_EOT,  # GPT-2 has no pad token
-    )
-    vocab, merges = gpt2_vocab_and_merges()
-    tokenizer = gpt2_hf_tokenizer(vocab, merges, model_max_length=model.config.seq_len)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        hf_model.save_pretrained(stage)
-        tokenizer.save_pretrained(stage)
-        _write_vocab_and_merges(vocab, merges, stage)
-        _apply_umask(stage)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(stage, out)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    return out
-
-
-def _apply_umask(folder: Path) -> None:
-    """Give the folder and its files the usual umask-based modes: mkdtemp makes the folder 0700 and
-    safetensors 0.8 writes its file 0600, which would hide an export meant to be shared."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for f in folder.iterdir():
-        f.chmod(0o666 & ~umask)
-
-
-def _check_exportable(tokenizer_name: str, vocab_size: int, path: str | Path) -> None:
-    if tokenizer_name != "gpt2":
-        raise UserError(
-            f"{path} was trained with the '{tokenizer_name}' tokenizer; export writes GPT-2 BPE tokenizer files "
-            "and supports only models trained on gpt2 tokens"
-        )
-    if vocab_size < GPT2_VOCAB:
-        raise UserError(f"{path} has vocab_size={vocab_size}, fewer than GPT-2's {GPT2_VOCAB} tokens")
-
-
-def run_export(args: argparse.Namespace) -> None:
-    """CLI `export`: one line naming what was written."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # save_pretrained's bar for one shard is noise in a one-line command
-    out = export(args.checkpoint, args.out_dir)
-    print(f"exported {args.checkpoint} -> {out} (GPT2LMHeadModel + GPT-2 tokenizer, vocab {GPT2_VOCAB})")

@@ -1,52 +1,26 @@
-"""Throughput, model FLOPs utilisation, and the per-step metrics rows (metrics.jsonl + trackers)."""
+"""`metrics.jsonl`: one JSON object per optimizer step, appended by the main process as training goes.
+
+Every row has `step, loss, lr, grad_norm, tokens_per_sec, mfu, flops_per_sec`; evaluation steps add
+`val_loss`, `hellaswag_acc_norm`, `hellaswag_acc`. A resumed run first cuts the file back to the step it
+continues from, so each step appears once. This module imports no torch: `plot` reads it.
+"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
-import torch
+from accel_gpt.files import atomic_write
 
-# Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' data sheets. The first name
-# found in torch.cuda.get_device_name() wins, so the more specific names come first.
-PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 70e12,
-    "L4": 121e12,
-    "RTX 4090": 165e12,
-    "RTX 3090": 71e12,
-}
-
-
-def device_peak_flops(device: torch.device) -> float | None:
-    """bf16 dense peak of one device, or None where unknown (CPU: only achieved FLOP/s is reported)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-def resolve_trackers(log_with: str) -> list[str] | None:
-    """`auto`: TensorBoard when installed, else none (metrics.jsonl is always written)."""
-    if log_with == "none":
-        return None
-    if log_with == "auto":
-        has_tb = importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
-        return ["tensorboard"] if has_tb else None
-    return [name.strip() for name in log_with.split(",") if name.strip()]
+METRICS = "metrics.jsonl"
 
 
 class MetricsFile:
-    """Append-only metrics.jsonl; one JSON object per optimizer step, written by the main process only."""
+    """Append-only rows; every method is a no-op unless `enabled` (the main process)."""
 
     def __init__(self, path: Path, enabled: bool) -> None:
-        self.path = path
+        self.path = Path(path)
         self.enabled = enabled
 
     def write(self, rows: list[dict[str, Any]]) -> None:
@@ -54,31 +28,23 @@ class MetricsFile:
             return
         with open(self.path, "a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
-            f.flush()
 
     def truncate_after(self, step: int) -> None:
-        """Keep only rows up to `step` (and drop a torn last line): a resumed run rewrites what follows."""
+        """Keep only rows up to `step` (and drop a torn last line): a resumed run writes what follows again."""
         if not self.enabled or not self.path.exists():
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if row.get("step", 0) <= step:
-                kept.append(line + "\n")
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(self.path)
+        kept = [json.dumps(row) + "\n" for row in read_metrics(self.path) if row.get("step", 0) <= step]
+        atomic_write(self.path, "".join(kept))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a metrics.jsonl, skipping a torn last line."""
+    """The rows of a metrics.jsonl, skipping a torn last line (a run killed mid-write) and non-object lines."""
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(row, dict):
+            rows.append(row)
     return rows

@@ -8,14 +8,14 @@ canvas directly (no pyplot), so no display or GUI backend is ever touched.
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from accel_gpt.config import PlotConfig
 from accel_gpt.errors import UserError
+from accel_gpt.metrics import METRICS, read_metrics
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -73,12 +73,12 @@ class RunMetrics:
         return [s for s, _ in points], [v for _, v in points]
 
 
-def run_plot(args: argparse.Namespace) -> None:
-    """CLI entry: read the runs, draw, save; prints the path written."""
-    out = Path(args.out)
+def run_plot(cfg: PlotConfig) -> None:
+    """`run.py plot`: read the runs, draw, save; prints the path written."""
+    out = Path(cfg.out)
     check_out_path(out)
     require_matplotlib()
-    runs = load_runs([Path(d) for d in args.run_dirs])
+    runs = load_runs([Path(d) for d in cfg.run_dirs])
     figure = make_figure(runs)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, format=out.suffix[1:].lower(), dpi=110)
@@ -107,26 +107,14 @@ def load_runs(run_dirs: Sequence[Path]) -> list[RunMetrics]:
 
 def load_rows(run_dir: Path) -> list[dict[str, Any]]:
     """Rows of `run_dir/metrics.jsonl`, one per step (the last one wins if a step repeats), sorted by step."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS
     if not path.is_file():
         what = "does not exist" if not run_dir.exists() else "has no metrics.jsonl"
         raise UserError(f"run dir '{run_dir}' {what}: expected a folder written by `run.py train`")
-    by_step = {row["step"]: row for row in read_jsonl(path) if isinstance(row, dict) and "step" in row}
+    by_step = {row["step"]: row for row in read_metrics(path) if "step" in row}
     if not by_step:
         raise UserError(f"{path} holds no metrics rows yet (a run writes one per optimizer step)")
     return [by_step[step] for step in sorted(by_step)]
-
-
-def read_jsonl(path: Path) -> list[Any]:
-    """Parsed lines, skipping a torn one (a run killed mid-write). Not metrics.read_metrics: that module
-    imports torch, which would make plotting wait seconds for a library it never uses."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def run_labels(run_dirs: Sequence[Path]) -> list[str]:

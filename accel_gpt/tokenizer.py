@@ -1,73 +1,111 @@
-"""Tokenizers behind one small interface: tiktoken's GPT-2 BPE, or a character vocabulary.
+"""The one description of a tokenizer: GPT-2's BPE (tiktoken) or a character vocabulary built from the data.
 
-The char tokenizer is the classic tiny-Shakespeare demo: its vocabulary is built from the data by
-`prepare` and stored in the shard manifest, so training, sampling and evaluation decode the same way.
+A `Tokenizer` is two strings (its name and, for `char`, the vocabulary), so the same small object is
+written into the shard manifest and `model_config.json`, sent to the prepare workers, and used to
+encode prompts and decode samples. The char tokenizer is the classic tiny-Shakespeare start: its
+vocabulary is every character of the data, in code-point order, and it has no end-of-text token.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
-GPT2_EOT = 50256
+import numpy as np
+
+from accel_gpt.errors import UserError
+
+GPT2_EOT = 50256  # <|endoftext|>
 GPT2_VOCAB = 50257
+NAMES = ("gpt2", "char")
 
 
-class Tokenizer(Protocol):
-    name: str
-    vocab_size: int
-    eot_token: int | None
+@dataclass(frozen=True)
+class Tokenizer:
+    name: str  # gpt2 | char
+    chars: str = ""  # char only: the vocabulary, id i is chars[i] (sorted by code point)
 
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
+    def __post_init__(self) -> None:
+        if self.name not in NAMES:
+            raise ValueError(f"unknown tokenizer {self.name!r}; expected one of {', '.join(NAMES)}")
 
+    @property
+    def vocab_size(self) -> int:
+        return GPT2_VOCAB if self.name == "gpt2" else len(self.chars)
 
-class GPT2Tokenizer:
-    """tiktoken `gpt2`; `encode` is `encode_ordinary`, so '<|endoftext|>' in text stays plain text."""
+    @property
+    def eot_token(self) -> int | None:
+        """GPT-2 puts end-of-text before every document; a char stream has no separator."""
+        return GPT2_EOT if self.name == "gpt2" else None
 
-    name = "gpt2"
-    vocab_size = GPT2_VOCAB
-    eot_token: int | None = GPT2_EOT
-
-    def __init__(self) -> None:
-        import tiktoken
-
-        self.enc = tiktoken.get_encoding("gpt2")
-
-    def encode(self, text: str) -> list[int]:
-        return self.enc.encode_ordinary(text)
-
-    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        return self.enc.encode_ordinary_batch(texts, num_threads=num_threads)
-
-    def decode(self, ids: list[int]) -> str:
-        # ids past 50,256 exist only in the padded part of the model's vocabulary: show them, don't crash
-        return self.enc.decode([i for i in ids if i < GPT2_VOCAB])
-
-
-class CharTokenizer:
-    """One id per character of `chars`; no end-of-text token (documents are joined with nothing)."""
-
-    name = "char"
-    eot_token: int | None = None
-
-    def __init__(self, chars: str) -> None:
-        self.chars = chars
-        self.vocab_size = len(chars)
-        self.stoi = {c: i for i, c in enumerate(chars)}
+    @property
+    def dtype(self) -> np.dtype:
+        return dtype_for_vocab(self.vocab_size)
 
     def encode(self, text: str) -> list[int]:
-        try:
-            return [self.stoi[c] for c in text]
-        except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} is not in this char vocabulary") from None
+        """GPT-2: tiktoken's `encode_ordinary`, so '<|endoftext|>' in the text stays text. Char: ValueError on a
+        character outside the vocabulary."""
+        if self.name == "gpt2":
+            return _tiktoken_gpt2().encode_ordinary(text)
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        if self.name == "gpt2":
+            return np.asarray(self.encode(text), dtype=self.dtype)
+        vocab, points = _codepoints(self.chars), _codepoints(text)
+        ids = np.searchsorted(vocab, points)  # no Python loop per character
+        bad = ids >= vocab.size
+        bad[~bad] = vocab[ids[~bad]] != points[~bad]
+        if bad.any():
+            raise ValueError(f"character {chr(points[bad][0])!r} is not in this char vocabulary")
+        return ids.astype(self.dtype)
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.chars[i] for i in ids if i < self.vocab_size)
+        """Ids outside the vocabulary (the padded rows of a model's embedding) are skipped, not an error."""
+        ids = [i for i in ids if 0 <= i < self.vocab_size]
+        if self.name == "gpt2":
+            return _tiktoken_gpt2().decode(ids)
+        return "".join(self.chars[i] for i in ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "chars": self.chars} if self.name == "char" else {"name": self.name}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Tokenizer:
+        return cls(d["name"], d.get("chars") or "")
 
 
-def tokenizer_from_manifest(manifest: dict[str, Any]) -> Tokenizer:
-    if manifest["tokenizer"] == "char":
-        return CharTokenizer(manifest["chars"])
-    if manifest["tokenizer"] == "gpt2":
-        return GPT2Tokenizer()
-    raise ValueError(f"unknown tokenizer {manifest['tokenizer']!r} in manifest")
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """Token storage: uint16 holds GPT-2's 50,257 ids in half the bytes of uint32; larger vocabularies need uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def char_vocabulary(texts: list[str]) -> str:
+    """The distinct characters of `texts` in code-point order: a char tokenizer's vocabulary."""
+    seen: set[str] = set()
+    for text in texts:
+        seen.update(text)
+    return "".join(sorted(seen))
+
+
+def _codepoints(text: str) -> np.ndarray:
+    # surrogatepass: a lone surrogate is one character of the text like any other
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+
+
+@lru_cache(maxsize=1)
+def _tiktoken_gpt2() -> Any:
+    """One tiktoken encoding per process (loading the BPE ranks takes about 0.1 s)."""
+    import tiktoken
+
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # offline without the files: requests/urllib errors chained several deep
+        where = os.environ.get("TIKTOKEN_CACHE_DIR") or "tiktoken's cache in the temp folder"
+        raise UserError(
+            f"cannot load the GPT-2 BPE files ({type(e).__name__}); tiktoken looks in TIKTOKEN_CACHE_DIR "
+            f"({where}) and downloads them when online: run once with internet, or copy that cache folder "
+            "from a machine where tiktoken has run and point TIKTOKEN_CACHE_DIR at it"
+        ) from None

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+DATA = REPO / "tests" / "data"  # a slice of tiny Shakespeare and 50 HellaSwag rows (see its README)
+SHAKESPEARE = DATA / "tinyshakespeare.txt"
+HELLASWAG = DATA / "hellaswag_val.jsonl"
 
-# tiktoken fetches the GPT-2 BPE files on first use; the real files are cached beside the repo.
-os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache"))
+# Only tiktoken's GPT-2 BPE files come from outside: TIKTOKEN_CACHE_DIR, as for any user offline.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -62,7 +63,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def shakespeare_path() -> Path:
-    return SHARED / "data" / "tinyshakespeare.txt"
+    return SHAKESPEARE
 
 
 def write_token_shards(
@@ -72,10 +73,12 @@ def write_token_shards(
     shard_size: int | None = None,
     vocab_size: int = 50257,
 ) -> Path:
-    """Shards + manifest in the `prepare` format, straight from token lists (GPT-2 ids)."""
+    """Shards + manifest in the `prepare` format, straight from token lists (GPT-2 ids; with a smaller
+    `vocab_size`, ids folded into it and the manifest saying so)."""
     import numpy as np
 
-    from accel_gpt.data.shards import dtype_for_vocab, write_manifest, write_shard
+    from accel_gpt.data.shards import ShardWriter, write_manifest
+    from accel_gpt.tokenizer import dtype_for_vocab
 
     data_dir.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(vocab_size)
@@ -85,9 +88,11 @@ def write_token_shards(
             continue
         arr = np.asarray(tokens, dtype=dtype)
         size = shard_size or len(arr)
-        splits[split] = [
-            write_shard(data_dir, split, i, arr[s : s + size]) for i, s in enumerate(range(0, len(arr), size))
-        ]
+        splits[split] = []
+        for i, start in enumerate(range(0, len(arr), size)):
+            writer = ShardWriter(data_dir, split, i, dtype)
+            writer.write(arr[start : start + size])
+            splits[split].append(writer.close())
     write_manifest(
         data_dir,
         {"tokenizer": "gpt2", "eot_token": 50256, "vocab_size": vocab_size, "dtype": dtype.name, "splits": splits},

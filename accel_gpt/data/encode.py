@@ -1,32 +1,61 @@
-"""Worker side of `prepare`: documents (or pieces of them) -> one flat token array per task.
+"""What the tokenizer workers run: documents (or pieces of them) -> one flat token array per task.
 
-Kept apart from `prepare.py` so that spawned tokenizer workers import only numpy and tiktoken, never `datasets`.
+Kept apart from the `datasets` side so that spawned workers import only numpy and tiktoken.
 
-Two facts shape the hot path (measured, see ../../bench/RESULTS.md):
+Two facts shape the hot path (measured in bench/RESULTS.md):
 - tiktoken's `encode_ordinary_batch` runs each item through a ThreadPoolExecutor future, which costs more than
   encoding a short paragraph. Calling `encode_ordinary` in a plain loop removes that overhead, so a task is a list
-  of about 1M characters of documents, encoded in one loop, returned as one numpy array.
+  of about `task_chars` characters of documents, encoded in one loop, returned as one numpy array.
 - One huge document must still be spread over the workers, so documents longer than a task are cut into pieces
-  at *safe* boundaries (`split_document`), where tokenizing the pieces gives exactly the tokens of the whole.
+  at *safe* boundaries (`iter_pieces`), where tokenizing the pieces gives exactly the tokens of the whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from functools import lru_cache
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from accel_gpt.data.shards import dtype_for_vocab
 from accel_gpt.errors import DataError
-from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB, GPT2Tokenizer
+from accel_gpt.tokenizer import Tokenizer, char_vocabulary
 
 # The cut goes just before one of these, and only where the character before it is not whitespace.
 _CUT_BEFORE = ("\n", " ")
 
 
-def split_document(text: str, max_chars: int) -> list[str]:
+@dataclass
+class Task:
+    """Pieces of documents for one worker call: `first` marks a document's first piece, `docs` its row index."""
+
+    texts: list[str] = field(default_factory=list)
+    first: list[bool] = field(default_factory=list)
+    docs: list[int] = field(default_factory=list)
+    chars: int = 0
+
+
+def make_tasks(texts: Iterable[str], first_doc: int, task_chars: int) -> Iterator[Task]:
+    """Group documents into tasks of at most `task_chars` characters; cut longer documents into safe pieces (a
+    document without a safe cut stays whole and makes an oversized task). Rows are numbered from `first_doc`."""
+    task = Task()
+    for doc, text in enumerate(texts, start=first_doc):
+        pieces = iter_pieces(text, task_chars) if len(text) > task_chars else (text,)
+        for k, piece in enumerate(pieces):
+            if task.texts and task.chars + len(piece) > task_chars:
+                yield task
+                task = Task()
+            task.texts.append(piece)
+            task.first.append(k == 0)
+            task.docs.append(doc)
+            task.chars += len(piece)
+            if task.chars >= task_chars:
+                yield task
+                task = Task()
+    if task.texts:
+        yield task
+
+
+def iter_pieces(text: str, max_chars: int) -> Iterator[str]:
     """Cut `text` into pieces of about `max_chars` whose GPT-2 tokens, concatenated, equal the tokens of `text`.
 
     Why the cut is safe: GPT-2's pre-tokenizer regex
@@ -38,13 +67,8 @@ def split_document(text: str, max_chars: int) -> list[str]:
     the pieces of text[:p] and text[p:] on their own are the pieces of the whole. `str.isspace` is a superset of
     the regex's `\\s`, so testing text[p-1] with it only ever rejects a cut, never allows a wrong one.
     A text without any such position stays whole. `tests/test_prepare.py` checks the equality on real and
-    adversarial text.
+    adversarial text. One piece at a time, so a huge document is not held twice (whole and in pieces).
     """
-    return list(iter_pieces(text, max_chars))
-
-
-def iter_pieces(text: str, max_chars: int) -> Iterator[str]:
-    """`split_document` one piece at a time, so a huge document is not held twice (whole and in pieces)."""
     start = 0
     while len(text) - start > max_chars:
         cut = _safe_cut(text, start, start + max_chars)
@@ -75,80 +99,37 @@ def _safe_cut(text: str, lo: int, target: int) -> int | None:
     return best
 
 
-@dataclass(frozen=True)
-class EncoderSpec:
-    """What a worker needs to build its tokenizer; small enough to send along with every task."""
-
-    name: str  # "gpt2" | "char"
-    chars: str = ""  # the char vocabulary, in id order (sorted by code point)
-
-    @property
-    def vocab_size(self) -> int:
-        return GPT2_VOCAB if self.name == "gpt2" else len(self.chars)
-
-    @property
-    def eot_token(self) -> int | None:
-        return GPT2_EOT if self.name == "gpt2" else None
-
-    @property
-    def dtype(self) -> np.dtype:
-        return dtype_for_vocab(self.vocab_size)
-
-
-def encode_pieces(spec: EncoderSpec, texts: list[str], first: list[bool]) -> tuple[np.ndarray, np.ndarray]:
+def encode_pieces(tok: Tokenizer, texts: list[str], first: list[bool]) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of the pieces back to back, and each piece's token count.
 
     gpt2: a piece that begins a document (`first`) is preceded by the end-of-text token, so the stream reads
-    `EOT doc0 EOT doc1 ...`: every document, wherever it lands (another shard, another node's part), starts with
-    EOT, and any concatenation of parts is itself a valid stream. char: no separator at all.
+    `EOT doc0 EOT doc1 ...`: every document, wherever it lands (another shard, another machine's part), starts
+    with EOT, and any concatenation of parts is itself a valid stream. char: no separator at all.
     """
-    if spec.name == "char":
-        return _encode_chars(spec.chars, texts)
-    enc = _gpt2()
+    if tok.name == "char":
+        try:
+            tokens = tok.encode_array("".join(texts))
+        except ValueError as e:  # the vocabulary was built from this input, so the input changed since
+            raise DataError(f"{e}, which this prepare built from its input: did the input change?") from None
+        return tokens, np.array([len(t) for t in texts], dtype=np.int64)
+    eot = tok.eot_token
     out: list[int] = []
     lengths = np.empty(len(texts), dtype=np.int64)
     for i, (text, is_first) in enumerate(zip(texts, first, strict=True)):
         before = len(out)
         if is_first:
-            out.append(GPT2_EOT)
-        out.extend(enc.encode(text))
+            out.append(eot)
+        out.extend(tok.encode(text))
         lengths[i] = len(out) - before
-    return np.array(out, dtype=spec.dtype), lengths
+    return np.array(out, dtype=tok.dtype), lengths
 
 
-@lru_cache(maxsize=1)
-def _gpt2() -> GPT2Tokenizer:
-    """One tokenizer per process: loading the BPE ranks takes about 0.1 s."""
-    return GPT2Tokenizer()
+def unique_chars(tok: Tokenizer, texts: list[str], first: list[bool]) -> str:
+    """The vocabulary pass of the char tokenizer: the distinct characters of one task. Same signature as
+    `encode_pieces`, so it runs on the same worker pool."""
+    return char_vocabulary(texts)
 
 
 def warm_gpt2() -> None:
-    """Worker initializer: load the BPE ranks while the main process is still opening the dataset."""
-    _gpt2()
-
-
-def _encode_chars(chars: str, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Characters -> ids with numpy: code points looked up in the sorted vocabulary, no Python loop per character."""
-    vocab = _codepoints(chars)
-    points = _codepoints("".join(texts))
-    ids = np.searchsorted(vocab, points)
-    bad = ids >= vocab.size
-    bad[~bad] = vocab[ids[~bad]] != points[~bad]
-    if bad.any():
-        raise DataError(f"character {chr(points[bad][0])!r} is not in the char vocabulary of this prepare")
-    lengths = np.array([len(t) for t in texts], dtype=np.int64)
-    return ids.astype(dtype_for_vocab(len(chars))), lengths
-
-
-def _codepoints(text: str) -> np.ndarray:
-    # surrogatepass: a lone surrogate is one character of the text like any other
-    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
-
-
-def unique_chars(spec: EncoderSpec, texts: list[str], first: list[bool]) -> str:
-    """The distinct characters of the texts, sorted by code point (the char vocabulary's id order). Same signature as
-    `encode_pieces`, so the vocabulary pass runs on the same worker pool."""
-    seen: set[str] = set()
-    for text in texts:
-        seen.update(text)
-    return "".join(sorted(seen))
+    """Worker initializer: load the BPE ranks (about 0.1 s) while the main process is still opening the dataset."""
+    Tokenizer("gpt2").encode("")

@@ -39,14 +39,11 @@ class TokenWindows(Dataset):
                 f"split '{split}' of {data_dir} has no window of seq_len+1={seq_len + 1} tokens "
                 f"(shards hold {[len(s) for s in self.shards]} tokens)"
             )
-        self.touched: list[int] | None = None  # tests set a list here to record which windows were read
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.touched is not None:
-            self.touched.append(int(i))
         k = int(np.searchsorted(self.offsets, i, side="right")) - 1
         start = (int(i) - int(self.offsets[k])) * self.seq_len
         window = torch.from_numpy(self.shards[k][start : start + self.seq_len + 1].astype(np.int64))

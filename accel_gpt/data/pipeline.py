@@ -1,5 +1,5 @@
-"""The datasets-free machinery of `prepare`: document tasks, the ordered worker pool, and the shard writer that
-records after every shard where a killed run resumes.
+"""The datasets-free machinery of `prepare`: the ordered worker pool, and the shard writer that records after every
+shard where a killed run resumes.
 
 A *stream* is one pass over one split of the input: the tokens of its documents back to back (`encode.py` puts EOT
 before each gpt2 document). Positions are token offsets in the stream. The writer cuts the stream into fixed-size
@@ -9,6 +9,7 @@ shards; the first `val_tokens` tokens go to 'val', the rest to the stream's spli
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -19,45 +20,18 @@ from typing import Any
 import numpy as np
 
 from accel_gpt.data import shards
-from accel_gpt.data.encode import EncoderSpec, iter_pieces
+from accel_gpt.data.encode import Task
 from accel_gpt.errors import DataError
+from accel_gpt.files import atomic_write_json
+from accel_gpt.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = ".prepare_state.json"
 
 
-@dataclass
-class Task:
-    """Pieces of documents for one worker call: `first` marks a document's first piece, `docs` its row index."""
-
-    texts: list[str] = field(default_factory=list)
-    first: list[bool] = field(default_factory=list)
-    docs: list[int] = field(default_factory=list)
-    chars: int = 0
-
-
-def make_tasks(texts: Iterable[str], first_doc: int, task_chars: int) -> Iterator[Task]:
-    """Group documents into tasks of at most `task_chars` characters; cut longer documents into safe pieces (a
-    document without a safe cut stays whole and makes an oversized task)."""
-    task = Task()
-    for doc, text in enumerate(texts, start=first_doc):
-        pieces = iter_pieces(text, task_chars) if len(text) > task_chars else (text,)
-        for k, piece in enumerate(pieces):
-            if task.texts and task.chars + len(piece) > task_chars:
-                yield task
-                task = Task()
-            task.texts.append(piece)
-            task.first.append(k == 0)
-            task.docs.append(doc)
-            task.chars += len(piece)
-            if task.chars >= task_chars:
-                yield task
-                task = Task()
-    if task.texts:
-        yield task
-
-
 class Workers:
-    """The tokenizer processes: `map` runs `fn(spec, texts, first)` over tasks, results in task order.
+    """The tokenizer processes: `map` runs `fn(tok, texts, first)` over tasks, results in task order.
 
     Entered before the input is opened, so the workers' start-up (imports, loading the BPE ranks via `warm`)
     overlaps the main process's `datasets` import and load instead of following it. Spawned, not forked: the parent
@@ -78,16 +52,16 @@ class Workers:
             self.pool.terminate()
             self.pool.join()
 
-    def map(self, fn: Callable, spec: EncoderSpec, tasks: Iterable[Task]) -> Iterator[tuple[Task, Any]]:
+    def map(self, fn: Callable, tok: Tokenizer, tasks: Iterable[Task]) -> Iterator[tuple[Task, Any]]:
         """At most 2 * num_proc tasks in flight: `Pool.imap` would read the whole task iterator ahead (its feeder
         thread does not wait), which breaks the memory bound with --streaming."""
         if self.pool is None:
             for task in tasks:
-                yield task, fn(spec, task.texts, task.first)
+                yield task, fn(tok, task.texts, task.first)
             return
         pending: deque = deque()
         for task in tasks:
-            pending.append((task, self.pool.apply_async(fn, (spec, task.texts, task.first))))
+            pending.append((task, self.pool.apply_async(fn, (tok, task.texts, task.first))))
             if len(pending) >= 2 * self.num_proc:
                 done, result = pending.popleft()
                 yield done, result.get()
@@ -118,15 +92,29 @@ class State:
     resume: Resume = field(default_factory=Resume)
 
     def save(self, data_dir: Path) -> None:
-        shards.write_json(data_dir / STATE_FILE, asdict(self))
+        atomic_write_json(data_dir / STATE_FILE, asdict(self), indent=1)
 
     @classmethod
     def load(cls, data_dir: Path) -> State | None:
         path = data_dir / STATE_FILE
         if not path.is_file():
             return None
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
         return cls(raw["identity"], raw["chars"], raw["shards"], Resume(**raw["resume"]))
+
+    def keep_intact_shards(self, data_dir: Path, dtype: np.dtype) -> None:
+        """Check the recorded shards (size, sha256); from the first missing or changed one on, prepare again."""
+        itemsize = np.dtype(dtype).itemsize
+        for k, entry in enumerate(self.shards):
+            path = data_dir / entry["file"]
+            ok = path.is_file() and path.stat().st_size == entry["tokens"] * itemsize
+            if ok and shards.sha256_file(path) == entry["sha256"]:
+                continue
+            log.warning("shard %s is missing or changed; preparing again from there", path)
+            self.shards = self.shards[:k]
+            self.resume = Resume(**self.shards[-1]["resume"]) if self.shards else Resume()
+            self.save(data_dir)
+            return
 
     def count(self, split: str) -> int:
         return sum(1 for e in self.shards if e["split"] == split)
@@ -144,15 +132,15 @@ class StreamWriter:
     """
 
     def __init__(
-        self, data_dir: Path, spec: EncoderSpec, shard_size: int, split: str, val_tokens: int, index: int, state: State
-    ):
-        self.data_dir, self.spec, self.shard_size = data_dir, spec, shard_size
+        self, data_dir: Path, dtype: np.dtype, shard_size: int, split: str, val_tokens: int, index: int, state: State
+    ) -> None:
+        self.data_dir, self.dtype, self.shard_size = data_dir, dtype, shard_size
         self.split, self.val_tokens, self.index, self.state = split, val_tokens, index, state
         r = state.resume
         self.pos = r.position - r.offset  # the first token to arrive begins document r.doc
         self.skip_until = r.position  # tokens before this are in shards already
         self.doc_begin = self.pos  # where the document of the next continuation piece began
-        self.shard: shards.ShardFile | None = None
+        self.shard: shards.ShardWriter | None = None
         self.shard_split, self.shard_end, self.shard_docs = "", 0, 0
 
     def feed(self, task: Task, tokens: np.ndarray, lengths: np.ndarray) -> int:
@@ -205,7 +193,7 @@ class StreamWriter:
 
     def _open(self, pos: int) -> None:
         split = "val" if pos < self.val_tokens else self.split
-        self.shard = shards.ShardFile(self.data_dir, split, self.state.count(split), self.spec.dtype)
+        self.shard = shards.ShardWriter(self.data_dir, split, self.state.count(split), self.dtype)
         self.shard_split, self.shard_docs = split, 0
         self.shard_end = pos + self.shard_size
         if split == "val" and self.val_tokens:

@@ -26,15 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.logging import get_logger
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from accel_gpt.errors import UserError
-from accel_gpt.sample import gpt_config
-from accel_gpt.tokenizer import GPT2_VOCAB, GPT2Tokenizer
-
-logger = get_logger(__name__)
+from accel_gpt.tokenizer import GPT2_VOCAB, Tokenizer
 
 NUM_ENDINGS = 4
 HUB_ID = "Rowan/hellaswag"
@@ -159,7 +155,7 @@ def parse_row(row: Any, where: str, position: int) -> Example:
 class HellaSwagTokens(Dataset):
     """Examples tokenized on access, so each rank encodes only the examples it scores."""
 
-    def __init__(self, examples: list[Example], tokenizer: GPT2Tokenizer, seq_len: int) -> None:
+    def __init__(self, examples: list[Example], tokenizer: Tokenizer, seq_len: int) -> None:
         self.examples = examples
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -171,7 +167,7 @@ class HellaSwagTokens(Dataset):
         ex = self.examples[i]
         ctx = self.tokenizer.encode(ex.ctx)
         rows, masks = [], []
-        for ending in self.tokenizer.encode_batch([" " + e for e in ex.endings]):
+        for ending in (self.tokenizer.encode(" " + e) for e in ex.endings):
             # too long for the context window: keep the rightmost tokens (the ending, and the context just before it)
             rows.append((ctx + ending)[-self.seq_len :])
             masks.append(([0] * len(ctx) + [1] * len(ending))[-self.seq_len :])
@@ -223,22 +219,27 @@ def choose(total: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch
     return mean.view(-1, NUM_ENDINGS).argmin(1), total.view(-1, NUM_ENDINGS).argmin(1)
 
 
+def hellaswag_loader(examples: list[Example], seq_len: int, batch_size: int) -> DataLoader:
+    """Examples in order, `batch_size` per forward pass (4x as many rows), tokenized on access; prepare it once
+    with `accelerator.prepare_data_loader` so each rank scores only its share."""
+    dataset = HellaSwagTokens(examples, Tokenizer("gpt2"), seq_len)
+    return DataLoader(dataset, batch_size=batch_size, collate_fn=partial(collate, seq_len=seq_len))
+
+
+def check_vocabulary(vocab_size: int) -> None:
+    if vocab_size < GPT2_VOCAB:
+        raise UserError(f"HellaSwag needs a GPT-2 vocabulary (>= {GPT2_VOCAB} ids); this model has {vocab_size}")
+
+
 @torch.no_grad()
-def score_hellaswag(
-    model: torch.nn.Module, accelerator: Accelerator, examples: list[Example], batch_size: int
-) -> list[Prediction]:
+def score_hellaswag(model: torch.nn.Module, accelerator: Accelerator, loader: DataLoader) -> list[Prediction]:
     """Per-example predictions in example order, identical on every rank; every rank must call this.
 
-    `model` may be the prepared one (DDP/FSDP-wrapped, compiled, under mixed-precision autocast): even
-    batching gives every rank the same number of forward passes, so wrappers that communicate inside
-    forward stay in step. `batch_size` counts examples, i.e. 4x as many rows per forward pass.
+    `loader` is a prepared `hellaswag_loader`. `model` may be the prepared one (DDP/FSDP-wrapped, compiled,
+    under mixed-precision autocast): even batching gives every rank the same number of forward passes, so
+    wrappers that communicate inside forward stay in step.
     """
-    cfg = gpt_config(model)
-    if cfg.vocab_size < GPT2_VOCAB:
-        raise UserError(f"HellaSwag needs a GPT-2 vocabulary (>= {GPT2_VOCAB} ids); this model has {cfg.vocab_size}")
-    dataset = HellaSwagTokens(examples, GPT2Tokenizer(), cfg.seq_len)
-    loader = DataLoader(dataset, batch_size=batch_size, collate_fn=partial(collate, seq_len=cfg.seq_len))
-    loader = accelerator.prepare_data_loader(loader)
+    examples = loader.dataset.examples
     was_training = model.training
     model.eval()
     gathered: list[dict[str, torch.Tensor]] = []
@@ -249,16 +250,7 @@ def score_hellaswag(
         result = {"position": batch["position"], "label": batch["label"], "pred_norm": pred_norm, "pred_sum": pred_sum}
         gathered.append({k: v.cpu() for k, v in accelerator.gather_for_metrics(result).items()})
     model.train(was_training)
-    _forget(accelerator, loader)
     return _in_order(gathered, examples)
-
-
-def _forget(accelerator: Accelerator, loader: DataLoader) -> None:
-    """Drop the Accelerator's reference to a per-call loader; it keeps every prepared loader (for
-    `save_state`), so a loader made at each periodic evaluation would otherwise pile up over a run."""
-    registry = getattr(accelerator, "_dataloaders", None)
-    if registry is not None and loader in registry:
-        registry.remove(loader)
 
 
 def _in_order(gathered: list[dict[str, torch.Tensor]], examples: list[Example]) -> list[Prediction]:
@@ -287,12 +279,3 @@ def hellaswag_metrics(predictions: list[Prediction]) -> dict[str, float | int]:
         "correct": correct,
         "total": total,
     }
-
-
-def evaluate_hellaswag(
-    model: torch.nn.Module, accelerator: Accelerator, examples: list[Example], batch_size: int
-) -> dict[str, float | int]:
-    """`acc_norm, acc, correct_norm, correct, total`, the same on every rank; every rank must call this."""
-    metrics = hellaswag_metrics(score_hellaswag(model, accelerator, examples, batch_size))
-    logger.info(f"HellaSwag: acc_norm {metrics['acc_norm']:.4f} on {metrics['total']} examples")
-    return metrics

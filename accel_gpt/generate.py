@@ -7,40 +7,23 @@ sequence outgrows it the window slides, which with absolute positions means a fu
 
 During training every rank calls `sample_texts` with the same seed on its prepared model (DDP- or
 FSDP-wrapped, autocast, compiled: every rank runs the same number of forward passes, which FSDP's gathers
-need), and only the main process prints the result. A compiled model is sampled without a cache, since a
-cache's growing length would make `torch.compile` recompile at every token.
+need), and only the main process prints the result.
 """
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
+from accel_gpt.config import SampleConfig
 from accel_gpt.errors import UserError
 from accel_gpt.model import GPTConfig, KVCache
 from accel_gpt.tokenizer import Tokenizer
 
 
-def gpt_config(model: torch.nn.Module) -> GPTConfig:
-    """The GPTConfig under any wrapper: DDP/FSDP (`.module`) or `torch.compile` (`._orig_mod`).
-
-    accelerate's `extract_model_from_parallel` would do it too, but imports `torch._dynamo` on its first
-    call: about 2.5 s of CPU in every process of a short `eval` or `sample` run.
-    """
-    inner: torch.nn.Module | None = model
-    while inner is not None:
-        config = getattr(inner, "config", None)
-        if isinstance(config, GPTConfig):
-            return config
-        wrapped = getattr(inner, "module", None)
-        inner = wrapped if wrapped is not None else getattr(inner, "_orig_mod", None)
-    raise TypeError(f"{type(model).__name__} does not wrap an accel_gpt GPT")
-
-
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
+    cfg: GPTConfig,
     idx: torch.Tensor,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -51,9 +34,9 @@ def generate(
     """(B, T) prompt ids -> (B, T + max_new_tokens): the prompt followed by the generated tokens.
 
     `generator` (on the same device as `idx`) makes the draws reproducible; `top_k` None or 0 keeps
-    the whole vocabulary. The caller sets eval mode (`sample_texts` does).
+    the whole vocabulary. `model` may be wrapped (DDP, FSDP, compiled); `cfg` is its GPTConfig. The caller
+    sets eval mode (`sample_texts` does).
     """
-    cfg = gpt_config(model)
     cache = KVCache(cfg.n_layer, cfg.seq_len) if use_cache else None
     for _ in range(max_new_tokens):
         if cache is not None and 0 < cache.length < cfg.seq_len:
@@ -77,6 +60,7 @@ def generate(
 
 def sample_texts(
     model: torch.nn.Module,
+    cfg: GPTConfig,
     tokenizer: Tokenizer,
     prompt: str,
     max_new_tokens: int,
@@ -96,18 +80,18 @@ def sample_texts(
         raise UserError(f"top_k must be >= 0 (0 = whole vocabulary), got {top_k}")
     if max_new_tokens < 0 or num_samples < 1:
         raise UserError(f"need max_new_tokens >= 0 and num_samples >= 1, got {max_new_tokens} and {num_samples}")
-    ids = _encode_prompt(tokenizer, prompt)
+    ids = encode_prompt(tokenizer, prompt)
     device = torch.device(device)
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
-    out = generate(model, idx, max_new_tokens, temperature, top_k, generator, use_cache)
+    out = generate(model, cfg, idx, max_new_tokens, temperature, top_k, generator, use_cache)
     model.train(was_training)
     return [tokenizer.decode(row) for row in out.tolist()]
 
 
-def _encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     try:
         ids = tokenizer.encode(prompt)
     except ValueError as e:  # a character outside a char vocabulary
@@ -119,21 +103,22 @@ def _encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     return ids
 
 
-def run_sample(args: argparse.Namespace) -> None:
+def run_sample(cfg: SampleConfig) -> None:
     """`run.py sample`: print `num_samples` continuations, separated by a line of dashes."""
-    from accel_gpt.artifacts import load_model
+    from accel_gpt.weights import load_model
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer, _ = load_model(args.checkpoint, device)
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, card = load_model(cfg.checkpoint, device)
     texts = sample_texts(
         model,
-        tokenizer,
-        args.prompt,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        args.seed,
+        card.model,
+        card.tokenizer,
+        cfg.prompt,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.seed,
         device,
-        args.num_samples,
+        cfg.num_samples,
     )
     print(f"\n{'-' * 40}\n".join(texts))

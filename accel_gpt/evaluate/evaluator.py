@@ -1,0 +1,109 @@
+"""Evaluation during training: validation loss, HellaSwag and a text sample, each at its own cadence.
+
+Everything an evaluation needs is built and checked when the run starts (a missing val split, a prompt
+the tokenizer cannot encode, a bad HellaSwag file fail before step 1), and the loaders are prepared once.
+Evaluation of a compiled model runs eagerly: its batch shapes differ from training's, and compiling
+them would add graphs (and minutes of compile time on a GPU) at the first evaluation of every run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from torch.utils.data import DataLoader
+
+from accel_gpt.config import TrainConfig
+from accel_gpt.data.loader import val_windows
+from accel_gpt.errors import ConfigError
+from accel_gpt.evaluate.hellaswag import (
+    check_vocabulary,
+    hellaswag_loader,
+    hellaswag_metrics,
+    load_hellaswag,
+    score_hellaswag,
+)
+from accel_gpt.evaluate.val_loss import evaluate_loss
+from accel_gpt.generate import encode_prompt, sample_texts
+from accel_gpt.weights import ModelCard
+
+logger = get_logger(__name__)
+
+
+class Evaluator:
+    def __init__(
+        self, cfg: TrainConfig, accelerator: Accelerator, model: torch.nn.Module, card: ModelCard, splits: list[str]
+    ) -> None:
+        self.cfg, self.accelerator, self.model, self.card = cfg, accelerator, model, card
+        self.val_dl: DataLoader | None = None
+        self.hellaswag_dl: DataLoader | None = None
+        if cfg.eval_every:
+            if "val" not in splits:
+                raise ConfigError(
+                    f"eval_every={cfg.eval_every} but {cfg.data_dir} has no 'val' shards; "
+                    "prepare with --val_tokens N or set --eval_every 0"
+                )
+            windows = val_windows(
+                cfg.data_dir,
+                cfg.seq_len,
+                cfg.eval_steps * cfg.micro_batch_size,
+                checksums=accelerator.is_local_main_process,
+            )
+            self.val_dl = accelerator.prepare_data_loader(DataLoader(windows, batch_size=cfg.micro_batch_size))
+            if cfg.sample_tokens:
+                encode_prompt(card.tokenizer, cfg.sample_prompt)
+        if cfg.hellaswag_every:
+            check_vocabulary(card.model.vocab_size)
+            with accelerator.main_process_first():  # a hub download lands in the cache once
+                examples = load_hellaswag(cfg.hellaswag, cfg.hellaswag_limit or None)
+            loader = hellaswag_loader(examples, cfg.seq_len, cfg.micro_batch_size)
+            self.hellaswag_dl = accelerator.prepare_data_loader(loader)
+
+    def due(self, step: int, last: bool) -> bool:
+        return self._val_due(step, last) or self._hellaswag_due(step, last)
+
+    def _val_due(self, step: int, last: bool) -> bool:
+        return self.val_dl is not None and (step % self.cfg.eval_every == 0 or last)
+
+    def _hellaswag_due(self, step: int, last: bool) -> bool:
+        return self.hellaswag_dl is not None and (step % self.cfg.hellaswag_every == 0 or last)
+
+    def run(self, step: int, last: bool) -> dict[str, Any]:
+        """What is due at `step` (every rank calls this): the metrics to add to that step's row."""
+        row: dict[str, Any] = {}
+        with self._eager():
+            if self._val_due(step, last):
+                row["val_loss"] = evaluate_loss(self.model, self.val_dl, self.accelerator)
+                if self.cfg.sample_tokens:
+                    logger.info(f"sample at step {step}: {self._sample()!r}")
+            if self._hellaswag_due(step, last):
+                metrics = hellaswag_metrics(score_hellaswag(self.model, self.accelerator, self.hellaswag_dl))
+                logger.info(f"HellaSwag at step {step}: acc_norm {metrics['acc_norm']:.4f} on {metrics['total']}")
+                row |= {"hellaswag_acc_norm": metrics["acc_norm"], "hellaswag_acc": metrics["acc"]}
+        return row
+
+    def _sample(self) -> str:
+        (text,) = sample_texts(
+            self.model,
+            self.card.model,
+            self.card.tokenizer,
+            self.cfg.sample_prompt,
+            self.cfg.sample_tokens,
+            temperature=1.0,
+            top_k=50,
+            seed=self.cfg.seed,
+            device=self.accelerator.device,
+        )
+        return text
+
+    @contextlib.contextmanager
+    def _eager(self) -> Iterator[None]:
+        if self.cfg.compile and hasattr(torch.compiler, "set_stance"):
+            with torch.compiler.set_stance("force_eager"):
+                yield
+        else:
+            yield

@@ -1,0 +1,107 @@
+"""Writing files so that a crash never leaves a half-written one behind.
+
+Everything accel_gpt publishes (shards, manifests, checkpoints, weights, exports, metrics rewrites,
+predictions) is written under a hidden temporary sibling name, fsynced, renamed over the final name,
+and the rename made durable by an fsync of the folder. A reader sees the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+TMP_MARK = ".tmp-"  # in the name of every temporary sibling: `.NAME.tmp-PID`
+
+
+def temp_sibling(path: Path, tag: str | int | None = None) -> Path:
+    """The hidden name `path` is written under before it is published (default tag: this process's id)."""
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid() if tag is None else tag}")
+
+
+@contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `path` to write (a file or a folder); publish it over `path` on success.
+
+    On an exception the temporary is removed and `path` is left as it was. A folder may replace only an
+    empty folder (rename(2) semantics), which is what an export into an empty `--out_dir` needs.
+    """
+    path = Path(path)
+    tmp = temp_sibling(path)
+    try:
+        yield tmp
+        publish(tmp, path)
+    finally:
+        remove(tmp)
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> None:
+    with replacing(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 2) -> None:
+    atomic_write(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Make `tmp` (file or folder) durable, rename it to `final` in one step, make the rename durable."""
+    fsync_tree(tmp)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync a file, or every file and folder under a folder, so a rename never outruns the data."""
+    if path.is_file():
+        _fsync_file(path)
+        return
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            _fsync_file(p)
+        elif p.is_dir():
+            fsync_dir(p)
+    fsync_dir(path)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable: without it a power cut can forget a rename already relied on."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def make_shareable(path: Path) -> None:
+    """Give a file (or each file of a folder) the usual umask-based mode: safetensors and mkdtemp create
+    theirs private (0600/0700), which would hide weights meant to be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]:
+        f.chmod(0o666 & ~umask)
+
+
+def remove(path: Path) -> None:
+    """Delete a file or a folder tree if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_temporaries(folder: Path) -> list[Path]:
+    """Delete the hidden temporaries that a killed writer left in `folder`; return what was removed."""
+    removed = [p for p in Path(folder).glob(f".*{TMP_MARK}*")]
+    for p in removed:
+        remove(p)
+    return removed

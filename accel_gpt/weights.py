@@ -1,0 +1,113 @@
+"""Model files that outlive a run: `model.safetensors` + `model_config.json`, and loading any model source.
+
+`model_config.json` holds the GPT shape and the tokenizer, so `eval`, `sample` and `export` need
+nothing else:
+
+    {"model": {"n_layer": .., "n_head": .., "n_embd": .., "seq_len": .., "vocab_size": .., ...},
+     "tokenizer": {"name": "gpt2"} | {"name": "char", "chars": "..."},
+     "step": 123}
+
+The same pair sits in the run directory (final weights) and in every checkpoint folder, so any of
+them can be pointed at with `--checkpoint`. The weights are stored under the GPT's own parameter
+names, without the tied `lm_head.weight` (it is `transformer.wte.weight`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accel_gpt.errors import UserError
+from accel_gpt.files import atomic_write_json, make_shareable, replacing
+from accel_gpt.model import GPT, GPTConfig
+from accel_gpt.tokenizer import Tokenizer
+
+WEIGHTS = "model.safetensors"
+MODEL_CONFIG = "model_config.json"
+TIED_HEAD = "lm_head.weight"  # stored once, as transformer.wte.weight
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What `model_config.json` says: enough to rebuild the model and read and write its text."""
+
+    model: GPTConfig
+    tokenizer: Tokenizer
+    step: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model.to_dict(), "tokenizer": self.tokenizer.to_dict(), "step": self.step}
+
+
+def write_model_config(folder: Path, card: ModelCard) -> None:
+    atomic_write_json(Path(folder) / MODEL_CONFIG, card.to_dict())
+
+
+def read_model_config(folder: Path) -> ModelCard:
+    path = Path(folder) / MODEL_CONFIG
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        return ModelCard(GPTConfig(**meta["model"]), Tokenizer.from_dict(meta["tokenizer"]), meta.get("step"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{path} is not a readable accel_gpt model config ({type(e).__name__}: {e})") from None
+
+
+def save_weights(state_dict: dict[str, torch.Tensor], card: ModelCard, out_dir: Path) -> None:
+    """`model.safetensors` + `model_config.json` in `out_dir`, each written whole or not at all."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in state_dict.items() if k != TIED_HEAD}
+    with replacing(out_dir / WEIGHTS) as tmp:
+        save_file(state, str(tmp))
+        make_shareable(tmp)
+    write_model_config(out_dir, card)
+
+
+def load_weights(folder: Path) -> tuple[GPT, ModelCard]:
+    """Our pair from a run dir or checkpoint folder -> (model on CPU in eval mode, its card)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    card = read_model_config(folder)
+    weights = folder / WEIGHTS
+    if not weights.is_file():
+        raise UserError(f"{folder} has {MODEL_CONFIG} but no {WEIGHTS}")
+    try:
+        state = load_file(str(weights))
+    except Exception as e:  # safetensors raises its own error types for corrupt headers or data
+        raise UserError(f"{weights} is not a readable safetensors file: {e}") from None
+    model = GPT(card.model)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) - {TIED_HEAD} or unexpected:
+        raise UserError(f"{weights} does not match its {MODEL_CONFIG}: missing {missing}, unexpected {unexpected}")
+    return model.eval(), card
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, ModelCard]:
+    """A run dir, a checkpoint dir, or a transformers GPT-2 folder / hub id -> (model in eval mode, its card)."""
+    p = Path(path)
+    if (p / MODEL_CONFIG).is_file():
+        model, card = load_weights(p)
+    elif (p / "config.json").is_file() or (not p.exists() and _looks_like_hub_id(str(path))):
+        from accel_gpt.hf import load_transformers_gpt2
+
+        model = load_transformers_gpt2(str(path))
+        card = ModelCard(model.config, Tokenizer("gpt2"))
+    elif not p.exists():
+        raise UserError(f"'{path}' does not exist (a run dir, checkpoint dir, or transformers GPT-2 folder/hub id)")
+    else:
+        raise UserError(
+            f"'{path}' is not a run dir or checkpoint ({MODEL_CONFIG} + {WEIGHTS}) nor a transformers GPT-2 folder"
+        )
+    return model.to(device).eval(), card
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """`gpt2` or `org/name`: no path separators beyond one slash, no leading dot or slash."""
+    return not name.startswith((".", "/", "~")) and name.count("/") <= 1 and bool(name.strip())
