@@ -6,7 +6,6 @@ against another run of the same code.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import http.server
 import json
@@ -14,6 +13,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,12 +23,15 @@ import pytest
 from conftest import REPO, python_cmd, run_cmd, subprocess_env
 
 from accel_gpt.cli import main as cli_main
+from accel_gpt.cli import parse
+from accel_gpt.config import PrepareConfig
 from accel_gpt.data import shards
-from accel_gpt.data.encode import EncoderSpec, encode_pieces, split_document
-from accel_gpt.data.pipeline import STATE_FILE, make_tasks
-from accel_gpt.data.prepare import PrepareOptions, merge_parts, options_from_args, prepare
+from accel_gpt.data.encode import encode_pieces, iter_pieces, make_tasks
+from accel_gpt.data.merge import merge_parts
+from accel_gpt.data.pipeline import STATE_FILE
+from accel_gpt.data.prepare import Job, prepare
 from accel_gpt.errors import ConfigError, DataError
-from accel_gpt.tokenizer import GPT2_EOT, CharTokenizer, GPT2Tokenizer
+from accel_gpt.tokenizer import GPT2_EOT, Tokenizer
 
 EOT = GPT2_EOT
 
@@ -45,8 +48,8 @@ def hf_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monke
 
 
 @pytest.fixture(scope="module")
-def tok() -> GPT2Tokenizer:
-    return GPT2Tokenizer()
+def tok() -> Tokenizer:
+    return Tokenizer("gpt2")
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +73,15 @@ def write_txt(path: Path, documents: list[str]) -> Path:
     return path
 
 
-def opts(tmp_path: Path, dataset: Path | str, name: str = "out", **kw) -> PrepareOptions:
-    return PrepareOptions(dataset=str(dataset), out_dir=tmp_path / name, **kw)
+def opts(tmp_path: Path, dataset: Path | str, name: str = "out", **kw) -> PrepareConfig:
+    return PrepareConfig(dataset=str(dataset), out_dir=str(tmp_path / name), **kw)
+
+
+def cli_config(argv: list[str]) -> PrepareConfig:
+    """The config `run.py prepare ARGV` runs with: flags over the preset over the defaults."""
+    command, cfg = parse(["prepare", *argv])
+    assert command == "prepare" and isinstance(cfg, PrepareConfig)
+    return cfg
 
 
 def stream(data_dir: Path) -> np.ndarray:
@@ -86,7 +96,7 @@ def stream(data_dir: Path) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def documents_of(tokens: np.ndarray, tok: GPT2Tokenizer) -> list[str]:
+def documents_of(tokens: np.ndarray, tok: Tokenizer) -> list[str]:
     """Split at EOT (which precedes every document) and decode each document."""
     assert tokens[0] == EOT, "the stream must start with the EOT of the first document"
     cuts = [*np.flatnonzero(tokens == EOT).tolist(), tokens.size]
@@ -100,11 +110,11 @@ def files_of(data_dir: Path) -> dict[str, bytes]:
 # --- tokenization -------------------------------------------------------------------------------------------------
 
 
-def test_safe_split_gives_the_tokens_of_the_whole(shakespeare_path: Path, tok: GPT2Tokenizer) -> None:
+def test_safe_split_gives_the_tokens_of_the_whole(shakespeare_path: Path, tok: Tokenizer) -> None:
     text = shakespeare_path.read_text()
     whole = tok.encode(text)
     for max_chars in (64, 4096, 100_000):
-        pieces = split_document(text, max_chars)
+        pieces = list(iter_pieces(text, max_chars))
         assert "".join(pieces) == text
         assert len(pieces) >= len(text) // max_chars
         assert [t for p in pieces for t in tok.encode(p)] == whole
@@ -114,26 +124,35 @@ def test_safe_split_gives_the_tokens_of_the_whole(shakespeare_path: Path, tok: G
     for _ in range(1500):
         s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 120)))
         for max_chars in (1, 5):
-            pieces = split_document(s, max_chars)
+            pieces = list(iter_pieces(s, max_chars))
             assert "".join(pieces) == s
             assert [t for p in pieces for t in tok.encode(p)] == tok.encode(s), (s, pieces)
 
 
-def test_one_huge_document_is_spread_over_many_tasks(shakespeare_path: Path, tok: GPT2Tokenizer) -> None:
+def test_one_huge_document_is_spread_over_many_tasks(shakespeare_path: Path, tok: Tokenizer) -> None:
     text = shakespeare_path.read_text()
-    tasks = list(make_tasks([text], 0, 50_000))
+    tasks = list(make_tasks([text], 0, 10_000))
     assert len(tasks) >= 20, "one document must still give work to every worker"
     assert [t.first for t in tasks][0][0] and not any(f for t in tasks[1:] for f in t.first)
-    results = [encode_pieces(EncoderSpec("gpt2"), t.texts, t.first) for t in tasks]
+    results = [encode_pieces(tok, t.texts, t.first) for t in tasks]
     tokens = np.concatenate([r[0] for r in results])
     assert tokens.tolist() == [EOT, *tok.encode(text)]
     assert sum(int(r[1].sum()) for r in results) == tokens.size
 
 
+def test_char_pieces_are_code_points_and_an_unknown_one_is_a_data_error() -> None:
+    char = Tokenizer("char", "".join(sorted("abc \n")))
+    tokens, lengths = encode_pieces(char, ["ab", "c a\n", ""], [True, False, True])
+    assert char.decode(tokens.tolist()) == "abc a\n" and lengths.tolist() == [2, 4, 0]
+    assert tokens.dtype == np.uint16
+    with pytest.raises(DataError, match="'z' is not in this char vocabulary"):
+        encode_pieces(char, ["abz"], [True])
+
+
 # --- output format ------------------------------------------------------------------------------------------------
 
 
-def test_txt_round_trip_eot_shards_and_manifest(tmp_path: Path, docs: list[str], tok: GPT2Tokenizer) -> None:
+def test_txt_round_trip_eot_shards_and_manifest(tmp_path: Path, docs: list[str], tok: Tokenizer) -> None:
     src = write_txt(tmp_path / "docs.txt", docs)
     out = tmp_path / "out"
     summary = prepare(opts(tmp_path, src, shard_size=1000))
@@ -212,14 +231,14 @@ def test_val_split_of_the_dataset(tmp_path: Path, docs: list[str], tok) -> None:
 def test_char_tokenizer_defaults_to_whole_documents(tmp_path: Path, shakespeare_path: Path) -> None:
     text = shakespeare_path.read_text()[:30_000]
     (src := tmp_path / "s.txt").write_text(text)
-    args = cli_args(["--dataset", str(src), "--out_dir", str(tmp_path / "out"), "--tokenizer", "char"])
-    options = options_from_args(args, env={})
-    assert options.sample_by == "document"
-    prepare(dataclasses.replace(options, val_tokens=3000, shard_size=10_000))
+    argv = ["--dataset", str(src), "--out_dir", str(tmp_path / "out"), "--tokenizer", "char"]
+    cfg = cli_config([*argv, "--val_tokens", "3000", "--shard_size", "10000"])
+    assert cfg.sample_by == "document"
+    prepare(cfg)
     manifest = shards.read_manifest(tmp_path / "out")
     assert manifest["chars"] == "".join(sorted(set(text))) and manifest["vocab_size"] == len(set(text))
     assert manifest["eot_token"] is None and manifest["dtype"] == "uint16"
-    assert CharTokenizer(manifest["chars"]).decode(stream(tmp_path / "out").tolist()) == text
+    assert shards.tokenizer(manifest).decode(stream(tmp_path / "out").tolist()) == text
     assert manifest["splits"]["val"][0]["tokens"] == 3000
 
 
@@ -230,16 +249,18 @@ def test_char_vocabulary_over_65535_is_uint32(tmp_path: Path) -> None:
     prepare(opts(tmp_path, src, tokenizer="char", sample_by="document", shard_size=50_000))
     manifest = shards.read_manifest(tmp_path / "out")
     assert manifest["vocab_size"] == len(chars) > 65_535 and manifest["dtype"] == "uint32"
-    assert CharTokenizer(manifest["chars"]).decode(stream(tmp_path / "out").tolist()) == text
+    assert shards.tokenizer(manifest).decode(stream(tmp_path / "out").tolist()) == text
 
 
+@pytest.mark.slow
 def test_output_does_not_depend_on_workers_streaming_or_task_size(tmp_path: Path, shakespeare_path: Path, tok):
     """Also the huge-document case: the file is one document, cut into ~15 pieces for 2 workers."""
-    text = shakespeare_path.read_text()[:300_000]
+    text = shakespeare_path.read_text()
     (src := tmp_path / "one_doc.txt").write_text(text)
-    base = dict(sample_by="document", shard_size=20_000, val_tokens=15_000)
+    base = dict(sample_by="document", shard_size=6_000, val_tokens=5_000)
     prepare(opts(tmp_path, src, "serial", **base))
-    prepare(opts(tmp_path, src, "parallel", num_proc=2, streaming=True, task_chars=20_000, **base))
+    prepare(opts(tmp_path, src, "parallel", num_proc=2, streaming=True, task_chars=16_000, **base))
+    assert len(shards.read_manifest(tmp_path / "serial")["splits"]["train"]) >= 10
     serial, parallel = files_of(tmp_path / "serial"), files_of(tmp_path / "parallel")
     assert {k: v for k, v in serial.items() if k.endswith(".bin")} == {
         k: v for k, v in parallel.items() if k.endswith(".bin")
@@ -263,35 +284,48 @@ def test_limit_reads_the_first_documents(tmp_path: Path, docs: list[str], tok) -
 # --- sources, presets, the command line ----------------------------------------------------------------------------
 
 
-def cli_args(argv: list[str]):
-    from accel_gpt.cli import build_parser
-
-    return build_parser().parse_args(["prepare", *argv])
-
-
-def test_presets_and_flags_over_them(tmp_path: Path, shakespeare_path: Path) -> None:
-    fineweb = options_from_args(cli_args(["--preset", "fineweb-edu-10B", "--streaming", "--num_proc", "8"]), env={})
+def test_presets_and_flags_over_them() -> None:
+    """A flag overrides only itself: the tinyshakespeare preset with --tokenizer char keeps its val_tokens."""
+    fineweb = cli_config(["--preset", "fineweb-edu-10B", "--streaming", "--num_proc", "8"])
     assert (fineweb.dataset, fineweb.dataset_config, fineweb.split) == (
         "HuggingFaceFW/fineweb-edu",
         "sample-10BT",
         "train",
     )
     assert fineweb.val_tokens == 100_000_000 and fineweb.shard_size == 100_000_000 and fineweb.streaming
-    tiny = options_from_args(cli_args(["--preset", "tinyshakespeare"]), env={})
+    assert fineweb.num_proc == 8 and fineweb.sample_by == "paragraph"
+    tiny = cli_config(["--preset", "tinyshakespeare"])
     assert tiny.dataset.startswith("https://") and tiny.sample_by == "document" and tiny.val_tokens == 33_800
-    assert options_from_args(cli_args(["--preset", "tinyshakespeare", "--tokenizer", "char"]), env={}).val_tokens == (
-        111_540
+    assert tiny.tokenizer == "gpt2" and tiny.config == "tinyshakespeare"
+    tiny_char = cli_config(["--preset", "tinyshakespeare", "--tokenizer", "char"])
+    assert (tiny_char.tokenizer, tiny_char.val_tokens, tiny_char.sample_by) == ("char", 33_800, "document")
+    char = cli_config(["--preset", "shakespeare-char"])
+    assert (char.dataset, char.tokenizer, char.val_tokens, char.sample_by) == (
+        tiny.dataset,
+        "char",
+        111_540,
+        "document",
     )
-    assert options_from_args(cli_args(["--preset", "tinyshakespeare", "--val_tokens", "5"]), env={}).val_tokens == 5
-    # the preset run on the real file (offline: --dataset replaces only the URL): 338,025 tokens + 1 EOT
-    out = tmp_path / "tiny"
-    args = cli_args(["--preset", "tinyshakespeare", "--dataset", str(shakespeare_path), "--out_dir", str(out)])
-    prepare(options_from_args(args, env={}))
+    assert cli_config(["--preset", "tinyshakespeare", "--val_tokens", "5"]).val_tokens == 5
+    with pytest.raises(ConfigError, match="neither a YAML file nor a prepare preset; did you mean tinyshakespeare"):
+        cli_config(["--preset", "tinyshakespear"])
+
+
+@pytest.mark.parametrize("preset", ["tinyshakespeare", "shakespeare-char"])
+def test_presets_on_the_local_file(preset: str, tmp_path: Path, shakespeare_path: Path, tok) -> None:
+    """Offline, --dataset replaces only the preset's URL: the file is one document, its first tokens are val."""
+    text = shakespeare_path.read_text()
+    out = tmp_path / "out"
+    cfg = cli_config(["--preset", preset, "--dataset", str(shakespeare_path), "--out_dir", str(out)])
+    summary = prepare(cfg)
     manifest = shards.read_manifest(out)
-    assert manifest["tokens"] == {"train": 338_026 - 33_800, "val": 33_800}
-    assert manifest["documents"] == {"val": 1, "train": 0} and manifest["args"]["preset"] == "tinyshakespeare"
-    with pytest.raises(ConfigError, match="expected one of tinyshakespeare, fineweb-edu-10B"):
-        options_from_args(cli_args(["--preset", "tiny"]), env={})
+    gpt2 = preset == "tinyshakespeare"
+    total = 1 + len(tok.encode(text)) if gpt2 else len(text)  # gpt2: one document, so one EOT
+    val = 33_800 if gpt2 else 111_540
+    assert manifest["tokens"] == {"train": total - val, "val": val} == summary.tokens
+    assert manifest["documents"] == {"val": 1, "train": 0} and manifest["source"]["sample_by"] == "document"
+    assert manifest["tokenizer"] == ("gpt2" if gpt2 else "char") and manifest["args"]["preset"] == preset
+    assert shards.tokenizer(manifest).decode(stream(out).tolist()) == ("<|endoftext|>" if gpt2 else "") + text
 
 
 def test_url_source_served_locally(tmp_path: Path, docs: list[str], tok, monkeypatch) -> None:
@@ -358,6 +392,7 @@ def test_bad_inputs_give_one_line_and_leave_nothing(tmp_path: Path, docs: list[s
             assert not out.exists(), f"{name}: a failed prepare left {list(out.iterdir())}"
 
 
+@pytest.mark.slow
 def test_cli_process_exits_2_with_one_line(tmp_path: Path) -> None:
     proc = run_cmd(
         python_cmd("prepare", "--dataset", str(tmp_path / "x.jsonl"), "--out_dir", str(tmp_path)), check=False
@@ -384,16 +419,17 @@ def test_rerun_verifies_a_finished_prepare_and_refuses_other_arguments(tmp_path:
         prepare(opts(tmp_path, src, shard_size=2000))
 
 
+@pytest.mark.slow
 def test_killed_prepare_resumes_to_identical_bytes(tmp_path: Path, shakespeare_path: Path, caplog) -> None:
     """SIGKILL the whole process group half-way, damage the last finished shard, re-run the same command."""
     src = tmp_path / "big.txt"
-    src.write_text(shakespeare_path.read_text() * 2)
+    src.write_text(shakespeare_path.read_text() * 4)  # ~300k tokens: ~60 shards
     argv = ["prepare", "--dataset", str(src), "--shard_size", "5000", "--val_tokens", "12000"]
     cli_main([*argv, "--out_dir", str(tmp_path / "reference")])
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        python_cmd(*argv, "--out_dir", str(out)),
+    proc = subprocess.Popen(  # small tasks, so shards are written while the rest is still being tokenized
+        python_cmd(*argv, "--task_chars", "20000", "--out_dir", str(out)),
         cwd=REPO,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
@@ -427,11 +463,13 @@ def test_interrupted_inside_long_documents_resumes_exactly(
     from accel_gpt.data import pipeline
 
     text = shakespeare_path.read_text()
-    src = _save_jsonl(tmp_path / "long_docs.jsonl", [text[:200_000], "short", text[200_000:500_000]])
-    base = dict(tokenizer=tokenizer, shard_size=7_001, val_tokens=10_000, task_chars=20_000)
+    src = _save_jsonl(tmp_path / "long_docs.jsonl", [text[:100_000], "short", text[100_000:]])
+    # documents of 10 and 15 pieces; about 20 shards, so every stop below is mid-way
+    base = dict(tokenizer=tokenizer, shard_size=4_001, val_tokens=10_000, task_chars=10_000)
     if tokenizer == "char":
-        base["shard_size"] = 23_003
+        base["shard_size"] = 13_003
     prepare(opts(tmp_path, src, "reference", **base))
+    assert sum(map(len, shards.read_manifest(tmp_path / "reference")["splits"].values())) >= 15
     commit = pipeline.StreamWriter._commit
     for stop_after in (1, 4, 11):
         calls = {"n": 0}
@@ -492,17 +530,42 @@ def test_parts_merge_into_the_single_run_stream(tmp_path: Path, docs: list[str],
         merge_parts(tmp_path / "multi")
 
 
+def test_part_comes_from_the_flags_else_rank_and_world_size() -> None:
+    cfg = PrepareConfig(dataset="x.txt")
+    launched = {"RANK": "1", "WORLD_SIZE": "2"}
+    assert Job.of(cfg, launched).data_dir == Path("data/shards/part-00001-of-00002")
+    assert Job.of(cfg, {}).data_dir == Path("data/shards") == Job.of(cfg, {"RANK": "0", "WORLD_SIZE": "1"}).data_dir
+    flags = PrepareConfig(dataset="x.txt", num_shards=3, shard_index=2)
+    assert (Job.of(flags, launched).index, Job.of(flags, launched).count) == (2, 3)
+    with pytest.raises(ConfigError, match="char tokenizer"):
+        Job.of(PrepareConfig(dataset="x.txt", tokenizer="char"), launched)
+    with pytest.raises(ConfigError, match="go together"):
+        PrepareConfig(dataset="x.txt", num_shards=3)
+    identity = Job.of(cfg, launched).identity()
+    assert identity["num_shards"] == 2 and identity["shard_index"] == 1
+    assert identity["limit"] is None and identity["preset"] is None  # all documents, no --preset
+    assert not {"out_dir", "num_proc", "task_chars", "merge", "config"} & set(identity)
+
+
+@pytest.mark.slow
 def test_parts_from_accelerate_launch(tmp_path: Path, docs: list[str], tok) -> None:
     """RANK/WORLD_SIZE of a real `accelerate launch` pick the parts; the later process merges them."""
     from conftest import accelerate_cmd
 
     src = write_txt(tmp_path / "docs.txt", docs)
-    assert options_from_args(cli_args(["--dataset", str(src)]), {"RANK": "1", "WORLD_SIZE": "2"}).data_dir == Path(
-        "data/shards/part-00001-of-00002"
-    )
     out = tmp_path / "launched"
     run_cmd(
         accelerate_cmd(2, "prepare", "--dataset", str(src), "--out_dir", str(out), "--shard_size", "4000"), timeout=180
     )
     assert documents_of(stream(out), tok) == docs
     assert shards.read_manifest(out)["args"]["num_shards"] == 2
+
+
+@pytest.mark.slow
+def test_only_sources_imports_datasets() -> None:
+    """Importing the command (and what the spawned workers import) leaves datasets and pyarrow unloaded."""
+    code = (
+        "import sys, accel_gpt.data.prepare, accel_gpt.data.encode, accel_gpt.data.pipeline, accel_gpt.data.merge;"
+        "print(sorted({'datasets', 'pyarrow', 'torch'} & set(sys.modules)))"
+    )
+    assert run_cmd([sys.executable, "-c", code]).stdout.strip() == "[]"

@@ -1,1 +1,2 @@
-"""Token data: `prepare` (text -> shards), `shards` (the on-disk format), `loader` (token windows)."""
+"""Token data: `prepare` (text -> shards, with `sources`, `encode`, `pipeline`, `merge`), `shards` (the on-disk
+format), `loader` (token windows)."""

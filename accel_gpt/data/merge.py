@@ -35,7 +35,9 @@ def merge_manifests(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     for name, manifest in parts[1:]:
         for key in _SHARED:
             if manifest.get(key) != first.get(key):
-                raise DataError(f"part {name} has {key}={manifest.get(key)!r} but part {first_name} has {first.get(key)!r}")
+                raise DataError(
+                    f"part {name} has {key}={manifest.get(key)!r} but part {first_name} has {first.get(key)!r}"
+                )
     splits: dict[str, list[dict[str, Any]]] = {}
     documents: dict[str, int] = {}
     tokens: dict[str, int] = {}

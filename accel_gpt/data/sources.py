@@ -1,4 +1,4 @@
-"""Where `prepare`'s text comes from, read through `datasets`: the one module of accel_gpt that imports it.
+"""Where `prepare`'s text comes from, read through `datasets`: the only module of accel_gpt.data that imports it.
 
 `datasets` (and pyarrow) are imported inside the functions that use them, so importing this module stays cheap
 and the tokenizer workers never load them.
