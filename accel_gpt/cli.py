@@ -106,13 +106,18 @@ def parse(argv: list[str]) -> tuple[str, Config]:
         build_parser().parse_args(argv)  # prints the usage error (or the top-level help) and exits
     command = COMMANDS[name]
     flags = CONFIG_FLAGS.get(name, ("--config",))
+    known = [
+        *flags,
+        *(f"--{f.name}" for f in fields(command.config) if f.name != "config" and not f.metadata["positional"]),
+    ]
+    for arg in argv:  # before argparse, so a misspelt flag is named even when a required one is missing
+        key = arg.split("=")[0]
+        if key.startswith("--") and key not in (*known, "--help"):
+            hint = did_you_mean(key[2:], [k[2:] for k in known], prefix="--")
+            raise ConfigError(f"unknown {name} flag '{key}'{hint}")
     config = _flag_value(argv, flags)
     parser = build_parser(name, preset_values(command.config, config) if config else {})
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        known = [f"--{f.name}" for f in fields(command.config)]
-        bad = next((a.split("=")[0] for a in extra if a.startswith("-")), extra[0])
-        raise ConfigError(f"unknown {name} flag '{bad}'{did_you_mean(bad, known)}")
+    args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     return name, command.config.load(config, given)
 

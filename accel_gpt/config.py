@@ -39,7 +39,7 @@ class Config:
     """Base of every command's settings: typing of values, validation, loading from YAML/presets/flags."""
 
     command: ClassVar[str]
-    config: str = option("", "a YAML file of these settings, or the name of a preset (listed below)")
+    config: str = option("", "a YAML file of these settings, or the name of a preset")
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -203,7 +203,7 @@ CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotun
 class TrainConfig(Config):
     command: ClassVar[str] = "train"
     # data and outputs
-    data_dir: str = option("", "token shards + manifest.json written by `run.py prepare` (required)")
+    data_dir: str = option("", "token shards + manifest.json written by `run.py prepare`; must be set")
     out_dir: str = option("runs/gpt2", "run directory: config.yaml, metrics.jsonl, checkpoints/, final weights")
     # model (defaults: GPT-2 124M)
     n_layer: int = option(12, "transformer blocks")

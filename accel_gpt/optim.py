@@ -45,5 +45,5 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over `lr_multiplier`. Build the Accelerator with `step_scheduler_with_optimizer=False`:
-    a prepared scheduler otherwise steps once per process per optimizer step (FACTS.md)."""
+    a prepared scheduler otherwise steps once per process per optimizer step (W times too fast)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))

@@ -1,300 +1,188 @@
-"""Shared pieces of the benchmarks: benchmark data, child-process runs of both sides, statistics, tables.
+"""What the benchmarks share: benchmark data, child-process runs, alternation, statistics and tables.
 
-Every measured run is a fresh child process (`worker.py`), for two reasons: both sides then start from the
-same state (allocator, thread pool, compile caches in memory), and the parent can give both exactly the
-same environment (threads, glibc malloc settings). The two sides alternate (A B, B A, ...) so that the
-machine's drift (FACTS.md: ~16% between calls) falls on both alike.
+Every measured run is a fresh child process, so both sides of a comparison start from the same state
+(allocator, thread pool, compile caches in memory) under exactly the same environment, and the sides
+alternate (A B, B A, ...) so that the machine's drift falls on both alike.
+
+    python bench/benchlib.py [--text FILE] [--tokenizer gpt2|char]   # write the benchmark shards, print their folder
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
-import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-WORKER = REPO / "bench" / "worker.py"
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-TIKTOKEN_CACHE = REPO.parent / "shared" / "tiktoken_cache"
-BENCH_DIR = REPO / "runs" / "bench"  # /runs/ is git-ignored
+sys.path.insert(0, str(REPO))
 
-# Flags that turn off everything but training steps: the benchmark times the step, not eval or saving.
-STEP_ONLY_FLAGS = ["--eval_every", "0", "--save_every", "0", "--hellaswag_every", "0", "--log_with", "none"]
-
-# A near-empty model (1 layer, width 16, vocab 128; 2 micro-steps of 1 x 16 tokens): its step costs ~nothing,
-# so what a step takes is the loop's own per-step cost. Used with synthetic_data(128).
-OVERHEAD_FLAGS = (
-    "--n_layer 1 --n_head 1 --n_embd 16 --seq_len 16 --vocab_size 128 --micro_batch_size 1 --total_batch_size 32"
-)
-
-# The glibc settings accel_gpt applies to itself on CPU (distributed.keep_freed_memory), as environment variables.
-MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+RUNS = REPO / "runs" / "bench"  # /runs/ is git-ignored
+TEXT = REPO / "tests" / "data" / "tinyshakespeare.txt"  # 250 KB; --text FILE for a larger corpus
 
 
 # ------------------------------------------------------------------------------------------------ data
 
 
-def ensure_data(data_dir: str | None) -> tuple[Path, str]:
-    """A prepared data dir for the benchmark and a word on where it came from.
+def bench_data(text: Path = TEXT, tokenizer: str = "gpt2") -> Path:
+    """`text` as token shards (train: first 90%, val: last 10%), written once under runs/bench/data/.
 
-    Throughput does not depend on which tokens are read, so without tiny Shakespeare or the tiktoken
-    files (a GPU machine may have neither) random GPT-2 token ids stand in, and the output says so.
+    GPT-2 tokens come from tiktoken alone (EOT before every blank-line-separated paragraph, as `prepare`
+    writes them), so this works where `datasets` is missing; `char` gives a vocabulary of a few dozen ids.
     """
-    if data_dir:
-        return Path(data_dir), f"given ({data_dir})"
-    shakespeare = BENCH_DIR / "data-shakespeare"
-    if (shakespeare / "manifest.json").is_file():
-        return shakespeare, "tiny Shakespeare, GPT-2 tokens"
-    if SHAKESPEARE.is_file() and TIKTOKEN_CACHE.is_dir():  # offline: tiktoken would try to download
-        try:
-            return write_shards(shakespeare, shakespeare_tokens()), "tiny Shakespeare, GPT-2 tokens"
-        except Exception as e:  # no BPE files offline: fall through to synthetic tokens
-            print(f"note: cannot tokenize {SHAKESPEARE} ({type(e).__name__}: {e}); using random tokens", flush=True)
-    return synthetic_data(50257), "synthetic: 2M uniform random GPT-2 token ids"
-
-
-def synthetic_data(vocab_size: int, tokens: int = 2_000_000) -> Path:
-    """Uniform random token ids below `vocab_size`, written once."""
-    data_dir = BENCH_DIR / f"data-synthetic-v{vocab_size}"
-    if not (data_dir / "manifest.json").is_file():
-        import numpy as np
-
-        write_shards(data_dir, np.random.default_rng(0).integers(0, vocab_size, size=tokens), vocab_size)
-    return data_dir
-
-
-def shakespeare_tokens() -> list[int]:
-    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
-    import tiktoken
-
-    return tiktoken.get_encoding("gpt2").encode_ordinary(SHAKESPEARE.read_text())
-
-
-def write_shards(data_dir: Path, tokens: list[int], vocab_size: int = 50257) -> Path:
-    """One train and one val shard (last 10%) in the `prepare` format, via accel_gpt's own writers."""
     import numpy as np
 
-    from accel_gpt.data.shards import write_manifest, write_shard
+    from accel_gpt.data.shards import ShardWriter, tokenizer_fields, write_manifest
+    from accel_gpt.tokenizer import Tokenizer, char_vocabulary
 
+    text = Path(text)
+    data_dir = RUNS / "data" / f"{text.stem}-{text.stat().st_size}-{tokenizer}"
+    if (data_dir / "manifest.json").is_file():
+        return data_dir
+    content = text.read_text(encoding="utf-8")
+    if tokenizer == "char":
+        tok = Tokenizer("char", char_vocabulary([content]))
+        tokens = tok.encode_array(content)
+    else:
+        import tiktoken
+
+        tok = Tokenizer("gpt2")
+        docs = [p for p in content.split("\n\n") if p]
+        ids = tiktoken.get_encoding("gpt2").encode_ordinary_batch(docs)
+        tokens = np.concatenate([np.asarray([tok.eot_token, *doc], dtype=tok.dtype) for doc in ids])
     data_dir.mkdir(parents=True, exist_ok=True)
-    arr = np.asarray(tokens, dtype=np.uint16)
-    cut = len(arr) * 9 // 10
-    splits = {
-        "train": [write_shard(data_dir, "train", 0, arr[:cut])],
-        "val": [write_shard(data_dir, "val", 0, arr[cut:])],
-    }
-    manifest = {"tokenizer": "gpt2", "eot_token": 50256, "vocab_size": vocab_size, "dtype": "uint16", "splits": splits}
-    write_manifest(data_dir, manifest)
+    cut = len(tokens) * 9 // 10
+    splits = {}
+    for split, part in (("train", tokens[:cut]), ("val", tokens[cut:])):
+        writer = ShardWriter(data_dir, split, 0, tok.dtype)
+        writer.write(part)
+        splits[split] = [writer.close()]
+    write_manifest(data_dir, {**tokenizer_fields(tok), "splits": splits})
     return data_dir
-
-
-# ------------------------------------------------------------------------------------------ allocator
-
-
-def default_malloc(cuda: bool) -> str:
-    """Both sides must run under the same allocator settings. On CPU accel_gpt calls mallopt itself at start-up
-    (distributed.keep_freed_memory: no mmap, large trim threshold), so the plain side gets the same call;
-    on GPU the trainer leaves glibc alone and so do both sides."""
-    return "default" if cuda else "mallopt"
-
-
-def child_env(threads: int | None, malloc: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment both sides run under: same threads, same allocator settings, offline.
-
-    `malloc`: "default" (glibc as it comes; accel_gpt still calls mallopt itself on CPU), "env" (MALLOC_ENV for
-    the whole process) or "mallopt" (the worker first calls accel_gpt's keep_freed_memory; see side_specs).
-    """
-    env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV and k != "GLIBC_TUNABLES"}
-    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env["ACCELERATE_MIXED_PRECISION"] = "no"  # CPU: fp32 like the plain side; on GPU the launch config overrides
-    env.setdefault("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    # One fresh compile cache per benchmark invocation: its first compiling run shows the cold compile time,
-    # later runs the warm one (the cache a user's second run hits).
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache() / "inductor")
-    env["TRITON_CACHE_DIR"] = str(compile_cache() / "triton")
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    if malloc == "env":
-        env.update(MALLOC_ENV)
-    env.update(extra or {})
-    return env
-
-
-@functools.cache
-def compile_cache() -> Path:
-    path = BENCH_DIR / "compile-cache"
-    shutil.rmtree(path, ignore_errors=True)
-    return path
 
 
 # ------------------------------------------------------------------------------------------------ runs
 
 
-class ChildFailed(RuntimeError):
-    """A child run exited non-zero; `log` is everything it printed (OOM detection reads it)."""
-
-    def __init__(self, message: str, log: str) -> None:
-        super().__init__(f"{message}\n{log[-3000:]}")
-        self.log = log
-
-
-@dataclass
-class Spec:
-    """One measured child run: which side, which train flags, under which launch and environment."""
-
-    side: str  # "accel_gpt" (run.py train) or "plain" (bench/plain_loop.py)
-    label: str
-    train_args: list[str]  # --config ... --field value ...: the same for both sides
-    warmup: int
-    steps: int
-    env: dict[str, str]
-    cuda: bool = False
-    num_processes: int = 1
-    worker_flags: list[str] = field(default_factory=list)  # --mallopt, --patch ...
-
-
-@dataclass
-class Result:
-    """What one child run measured. Step times are per optimizer step, warm-up excluded."""
-
-    spec: Spec
-    step_seconds: list[float]
-    warmup_seconds: list[float]
-    cpu_seconds: list[float]  # process CPU seconds of the same measured steps
-    tokens_per_step: int
-    report: dict[str, Any]  # the worker's report: peak memory, device, threads, flops per token, ...
-    wall_seconds: float
-
-    @property
-    def tokens_per_sec(self) -> float:
-        return self.tokens_per_step / statistics.median(self.step_seconds)
-
-    @property
-    def tokens_per_cpu_sec(self) -> float:
-        """Tokens per second of this process's CPU time: on a loaded machine far steadier than wall time."""
-        return self.tokens_per_step / statistics.median(self.cpu_seconds)
-
-    @property
-    def compile_seconds(self) -> float:
-        """Warm-up time beyond that of ordinary steps: compilation, first-touch allocations."""
-        return sum(self.warmup_seconds) - len(self.warmup_seconds) * statistics.median(self.step_seconds)
-
-
-def side_specs(
-    train_args: list[str], *, cuda: bool, warmup: int, steps: int, env: dict[str, str], malloc: str, suffix: str = ""
-) -> list[Spec]:
-    """accel_gpt (run.py train) and the plain loop on the same flags: bf16 on GPU (the launch config for
-    accel_gpt, autocast for plain), fp32 on CPU."""
-    flags = ["--mallopt"] if malloc == "mallopt" else []
-    return [
-        Spec("accel_gpt", f"accel_gpt{suffix}", train_args, warmup, steps, env, cuda=cuda, worker_flags=flags),
-        Spec(
-            "plain", f"plain{suffix}", train_args, warmup, steps, env, cuda=cuda, worker_flags=flags + ["--bf16"] * cuda
-        ),
-    ]
-
-
-def run_spec(spec: Spec, out_dir: Path) -> Result:
-    """Run one training side in a child process and read its per-step times."""
-    train_args = [*spec.train_args, "--max_steps", str(spec.warmup + spec.steps), *STEP_ONLY_FLAGS]
-    report, wall = run_child(spec, train_args, out_dir)
-    seconds = step_seconds(report, out_dir / "run")
-    cpu = report["step_cpu_seconds"]
-    if len(cpu) != len(seconds):
-        raise RuntimeError(f"{spec.label}: {len(cpu)} CPU times for {len(seconds)} steps")
-    (out_dir / "run" / "model.safetensors").unlink(missing_ok=True)  # 0.5 GB for 124M: not needed
-    w = spec.warmup
-    return Result(spec, seconds[w:], seconds[:w], cpu[w:], report["tokens_per_step"], report, wall)
-
-
-def run_child(spec: Spec, train_args: list[str], out_dir: Path) -> tuple[dict[str, Any], float]:
-    """`worker.py SIDE` in a fresh process (under `accelerate launch` for accel_gpt on GPU); its report."""
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    report_path = out_dir / "report.json"
-    train_args = [*train_args, "--out_dir", str(out_dir / "run")]
-    worker = [str(WORKER), spec.side, "--report", str(report_path), *spec.worker_flags, "--", *train_args]
-    cmd = [sys.executable, *worker]
-    if spec.side == "accel_gpt" and spec.cuda:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_flags(spec.num_processes), *worker]
-    t0 = time.perf_counter()
-    with open(out_dir / "log.txt", "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, env=spec.env, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise ChildFailed(
-            f"{spec.label} failed ({proc.returncode}): {' '.join(cmd)}", (out_dir / "log.txt").read_text()
+def child_env(threads: int | None = None) -> dict[str, str]:
+    """The environment every child runs under: offline, unbuffered, this checkout first on PYTHONPATH, the same
+    threads, and (unless the caller set one) a compile cache emptied once per benchmark invocation, so that
+    its first compiling run shows the cold compile time and later ones the warm one."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        env.update(
+            TORCHINDUCTOR_CACHE_DIR=str(compile_cache() / "inductor"), TRITON_CACHE_DIR=str(compile_cache() / "triton")
         )
-    return json.loads(report_path.read_text()), wall
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
 
 
-def launch_flags(num_processes: int) -> list[str]:
-    """`accelerate launch` with the repo's own launch configs (bf16; DDP for several GPUs)."""
-    config = "single_gpu.yaml" if num_processes == 1 else "multi_gpu.yaml"
-    flags = ["--config_file", str(REPO / "accelerate_configs" / config), "--num_processes", str(num_processes)]
-    return [*flags, "--main_process_port", str(free_port())]
+@functools.cache
+def compile_cache() -> Path:
+    """Emptied once per benchmark invocation."""
+    path = RUNS / "compile-cache"
+    shutil.rmtree(path, ignore_errors=True)
+    return path
 
 
-def step_seconds(report: dict[str, Any], run_dir: Path) -> list[float]:
-    """Seconds per optimizer step: the plain worker times them itself; for accel_gpt they come from the
-    metrics.jsonl rows it writes (tokens_per_sec is averaged over each log window)."""
-    if "step_seconds" in report:
-        return report["step_seconds"]
+@dataclass
+class Child:
+    """One finished child process: exit code, wall seconds, peak memory in bytes (None if unknown), its log."""
+
+    returncode: int
+    seconds: float
+    peak_mem: int | None
+    log: str
+
+
+def run_child(cmd: Sequence[str], env: dict[str, str], log_path: Path, gpu: bool) -> Child:
+    """Run `cmd` with its output in `log_path`. Peak memory: on GPU the most device memory in use (nvidia-smi,
+    every 200 ms: CUDA context and allocator cache included); on CPU the child tree's max RSS (wait4)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    poller = GpuMemoryPoller() if gpu else None
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(list(cmd), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    peak = poller.stop() if poller else usage.ru_maxrss * 1024
+    return Child(os.waitstatus_to_exitcode(status), seconds, peak, log_path.read_text(errors="replace"))
+
+
+class GpuMemoryPoller:
+    """The highest `memory.used` any GPU reports while it runs (one `nvidia-smi -lms` process)."""
+
+    def __init__(self, period_ms: int = 200) -> None:
+        self.peak: int | None = None
+        cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", f"--loop-ms={period_ms}"]
+        try:
+            self.proc: subprocess.Popen | None = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        except OSError:
+            self.proc = None
+            return
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.strip().isdigit():
+                self.peak = max(self.peak or 0, int(line) * 2**20)  # MiB
+
+    def stop(self) -> int | None:
+        if self.proc:
+            self.proc.terminate()
+            self.thread.join(timeout=5)
+        return self.peak
+
+
+def gpu_name() -> str | None:
+    """The first GPU's name from nvidia-smi (asking torch would put a CUDA context in the parent)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def peak_bf16_flops(name: str) -> float | None:
+    """The dense bf16 peak of a GPU by name, from the table the trainer's MFU uses."""
+    from accel_gpt.tracking import PEAK_BF16_FLOPS
+
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def alternate(labels: Sequence[str], pairs: int) -> Iterator[tuple[int, str]]:
+    """(round, label) for `pairs` rounds, the order reversed every other round: A B, B A, A B, ..."""
+    for i in range(pairs):
+        for label in labels if i % 2 == 0 else labels[::-1]:
+            yield i, label
+
+
+def read_steps(metrics: Path, tokens_per_step: int) -> tuple[list[float], list[float]]:
+    """Seconds and loss of each optimizer step in a metrics.jsonl (`tokens_per_sec` is its log window's)."""
     from accel_gpt.metrics import read_metrics
 
-    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "tokens_per_sec" in r]
-    return [report["tokens_per_step"] / r["tokens_per_sec"] for r in sorted(rows, key=lambda r: r["step"])]
+    rows = sorted((r for r in read_metrics(metrics) if r.get("tokens_per_sec")), key=lambda r: r["step"])
+    return [tokens_per_step / r["tokens_per_sec"] for r in rows], [r["loss"] for r in rows]
 
 
-def alternate(specs: list[Spec], pairs: int, tag: str) -> list[Result]:
-    """Run the specs in turn `pairs` times, reversing the order every other round (A B, B A, ...)."""
-    results = []
-    for i in range(pairs):
-        order = specs if i % 2 == 0 else specs[::-1]
-        for spec in order:
-            result = run_spec(spec, BENCH_DIR / tag / f"{spec.label}-{i}")
-            rates = f"{fmt_rate(result.tokens_per_sec)} tok/s, {fmt_rate(result.tokens_per_cpu_sec)} tok/CPU-s"
-            print(f"  round {i + 1}/{pairs} {spec.label:<28} {rates}", flush=True)
-            results.append(result)
-    return results
+# ------------------------------------------------------------------------------------------- printing
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---------------------------------------------------------------------------------------- statistics
-
-
-def of(results: list[Result], label: str) -> list[Result]:
-    return [r for r in results if r.spec.label == label]
-
-
-def pooled_rate(results: list[Result], cpu: bool = False) -> float:
-    """Tokens/s (of wall time, or of CPU time) from the median over all measured steps of these runs."""
-    tokens = results[0].tokens_per_step
-    return tokens / statistics.median(s for r in results for s in (r.cpu_seconds if cpu else r.step_seconds))
-
-
-def pair_ratios(results: list[Result], a: str, b: str, cpu: bool = False) -> list[float]:
-    """Per-round ratio a/b of tokens/s (wall or CPU time): each round ran both sides back to back."""
-    pairs = zip(of(results, a), of(results, b), strict=True)
-    if cpu:
-        return [x.tokens_per_cpu_sec / y.tokens_per_cpu_sec for x, y in pairs]
-    return [x.tokens_per_sec / y.tokens_per_sec for x, y in pairs]
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
 
 
 def fmt_rate(value: float) -> str:
@@ -305,7 +193,12 @@ def fmt_bytes(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
+def fmt_flops(flops: float) -> str:
+    return f"{flops / 1e12:,.1f} T" if flops >= 1e12 else f"{flops / 1e9:,.2f} G"
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
+    """Columns padded to their widest cell; the first left-aligned, the rest right-aligned."""
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
     lines = [
         "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
@@ -317,3 +210,20 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def load_average() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} CPUs"
+
+
+def header(name: str) -> str:
+    """What was measured: the accel_gpt this process imported (its path proves which checkout) and torch."""
+    import torch
+
+    import accel_gpt
+
+    return f"{name}: accel_gpt from {Path(accel_gpt.__file__).parent}, torch {torch.__version__}; {load_average()}"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--text", type=Path, default=TEXT, help="plain text (default: tests/data/tinyshakespeare.txt)")
+    parser.add_argument("--tokenizer", choices=["gpt2", "char"], default="gpt2")
+    args = parser.parse_args()
+    print(bench_data(args.text, args.tokenizer))

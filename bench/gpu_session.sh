@@ -1,35 +1,32 @@
 #!/usr/bin/env bash
-# Issue 6's GPU measurements, cut into phases that each fit one call of the device tool (10 minutes at most,
-# about 30 minutes of device time in a session). The machine there has torch, accelerate, transformers and
-# tiktoken but neither `datasets` (the training path does not need it) nor ../shared, so the tiktoken files,
-# tiny Shakespeare and the HellaSwag rows travel in .carry/ (git-ignored).
+# The GPU measurements of bench/ in three phases, one device-tool call each (600 s at most, a fresh machine
+# every time: 1-2 minutes to start, cold compile caches). That machine has torch, accelerate, transformers and
+# tiktoken, but not `datasets` (training, eval, sample and export do not need it), no installed accel_gpt
+# (PYTHONPATH is this checkout) and no files of ours: the tiktoken files, the HellaSwag rows and a text to
+# train on travel in the git-ignored .carry/ folder.
 #
-#   bash bench/gpu_session.sh carry       # here, once: copy ../shared's files into .carry/
-#   bash bench/gpu_session.sh 1           # there (device run with carry [".carry"]), then the others
+#   bash bench/gpu_session.sh carry HELLASWAG_JSONL [TEXT]   # here, once: $TIKTOKEN_CACHE_DIR and the files -> .carry/
+#   bash bench/gpu_session.sh 1                              # there (device run, carry [".carry"]); then 2, then 3
+#   DRY_RUN=1 OUT=/tmp/dry bash bench/gpu_session.sh 1       # rehearsal on a CPU: the same commands at tiny sizes
 #
-#   1  GPT-2 124M, accel_gpt vs the plain loop, compile off; largest micro-batch for 124M
-#   2  the same with compile on; HellaSwag over all 10,042 rows (124M, bf16); generation speed
-#   3  Accelerate's fp32 output cast A/B; largest micro-batch for 350M
-#   4  a short real run end to end: train 124M on tiny Shakespeare (compile, bf16, eval, HellaSwag,
-#      checkpoints), resume it, then eval, sample and export from its directory
-#   5  largest micro-batch for 774M, without and with activation checkpointing
-#   6  compile_mode max-autotune-no-cudagraphs against phase 2's compile-on figure
+#   1  GPT-2 124M, accel_gpt against the plain loop with compile on; the largest micro-batch for 124M; compile off
+#   2  HellaSwag over all 10,042 rows (124M shapes, bf16); generation speed; the largest micro-batch for 350M, 774M
+#   3  end to end in bf16: train 124M, SIGKILL it after its first checkpoint, resume to the end; eval, sample, export
 #
-# A phase takes 5 to 9 minutes and a session has about 30 minutes of device time: run 1, 2 and 4 first
-# (the issue's targets and the end-to-end check), then 3, 5 and 6 as the time allows.
-#
-# Every command's output goes to $OUT/phaseN.log (the device tool brings $OUT back), else runs/gpu/. Each
-# command has its own time limit, so one that hangs costs its own budget and not the rest of the phase; a
-# phase's limits add up to under 600 s, the device tool's limit for one call.
-# DRY_RUN_FLAGS (train flags appended in phase 4, e.g. a 2-layer model without compile) checks it on a CPU.
+# Every command runs under its own `timeout -s KILL` (it kills the command's whole process group: launcher,
+# trainer, compile workers), so one that hangs costs its own limit, not the phase; a phase's limits add up to
+# under 600 s. Output goes to $OUT/phaseN.log as it comes (the device tool brings $OUT back, after a timeout too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash bench/gpu_session.sh carry|1|2|3|4|5|6}
+phase=${1:?usage: bash bench/gpu_session.sh carry HELLASWAG_JSONL [TEXT] | 1 | 2 | 3}
 
 if [ "$phase" = carry ]; then
-    mkdir -p .carry/data
-    cp -r ../shared/tiktoken_cache .carry/
-    cp ../shared/data/tinyshakespeare.txt ../shared/data/hellaswag_val.jsonl .carry/data/
+    hellaswag_src=${2:?carry needs the HellaSwag validation jsonl (10,042 rows)}
+    [ -d "${TIKTOKEN_CACHE_DIR:-}" ] || { echo "set TIKTOKEN_CACHE_DIR to tiktoken's cache folder" >&2; exit 2; }
+    rm -rf .carry && mkdir -p .carry/data
+    cp -r "$TIKTOKEN_CACHE_DIR" .carry/tiktoken_cache
+    cp "$hellaswag_src" .carry/data/hellaswag_val.jsonl
+    if [ -n "${3:-}" ]; then cp "$3" .carry/data/text.txt; fi
     du -sh .carry
     exit 0
 fi
@@ -38,63 +35,88 @@ PY=${PYTHON:-python3}
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
 log="$out/phase$phase.log"
-[ -e ../shared ] || ln -s "$PWD/.carry" ../shared  # the bench scripts look for ../shared, as they do here
-export TIKTOKEN_CACHE_DIR="$PWD/.carry/tiktoken_cache" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
-export TORCHINDUCTOR_CACHE_DIR="$PWD/runs/inductor-cache"  # compiled kernels reused by later commands
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+if [ -d .carry/tiktoken_cache ]; then export TIKTOKEN_CACHE_DIR="$PWD/.carry/tiktoken_cache"; fi
 hellaswag=.carry/data/hellaswag_val.jsonl
+[ -f "$hellaswag" ] || hellaswag=tests/data/hellaswag_val.jsonl
+text=.carry/data/text.txt
+[ -f "$text" ] || text=tests/data/tinyshakespeare.txt
+launch=("$PY" -m accelerate.commands.launch --config_file accelerate_configs/single_gpu.yaml run.py)  # bf16
 
-step() {  # step SECONDS COMMAND...: run one measurement, logged, under its own limit
+if [ -n "${DRY_RUN:-}" ]; then  # the same commands at sizes a CPU runs in seconds
+    quick=(--pairs 1 --warmup 1 --steps 2)
+    tiny=(--flags "--n_layer 1 --n_head 1 --n_embd 16 --seq_len 16")
+    model=(--model tiny-cpu)
+    e2e=(--n_layer 2 --n_head 4 --n_embd 64 --seq_len 64 --micro_batch_size 4 --total_batch_size 256 --compile false
+        --eval_steps 2 --hellaswag_limit 20)
+    limit=(--limit 20)
+else
+    quick=() tiny=() model=() e2e=() limit=()
+fi
+
+step() {  # step SECONDS COMMAND...: one command under its own limit, its output appended to the log as it comes
     local limit=$1
     shift
     echo "=== $(date +%T) $* (limit ${limit}s)" | tee -a "$log"
-    timeout "$limit" "$@" 2>&1 | tee -a "$log"
+    timeout -s KILL "$limit" "$@" 2>&1 | tee -a "$log"
     echo "=== exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
 
-launch=("$PY" -m accelerate.commands.launch --config_file accelerate_configs/single_gpu.yaml run.py)  # bf16
-
 case $phase in
 1)
-    step 20 nvidia-smi
-    step 30 "$PY" -c "import torch, accelerate, transformers; print(torch.__version__, accelerate.__version__, transformers.__version__, torch.cuda.get_device_name())"
-    step 330 "$PY" bench/bench.py --compile off
-    step 200 "$PY" bench/bench.py --find_max_batch 124m
+    if command -v nvidia-smi >/dev/null; then step 10 nvidia-smi; fi
+    step 20 "$PY" -c "import importlib.util, torch, accelerate, transformers, tiktoken
+print('torch', torch.__version__, 'accelerate', accelerate.__version__, 'transformers', transformers.__version__)
+print('datasets importable:', importlib.util.find_spec('datasets') is not None)
+print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
+    step 330 "$PY" bench/train_throughput.py --compile on "${quick[@]}"
+    step 130 "$PY" bench/train_throughput.py --find_max_batch 124m "${tiny[@]}"
+    step 100 "$PY" bench/train_throughput.py --compile off --pairs 1 "${quick[@]}"
     ;;
 2)
-    step 360 "$PY" bench/bench.py --compile on
-    step 150 "$PY" bench/hellaswag_throughput.py --model gpt2-124m --limit 0 --batch_sizes 16,64 --mixed_precision bf16
-    step 60 "$PY" bench/sample_throughput.py
+    step 120 "$PY" bench/generate_throughput.py --what hellaswag --hellaswag "$hellaswag" --batch_sizes 16,64 \
+        --rounds 1 "${model[@]}" "${limit[@]}"
+    step 50 "$PY" bench/generate_throughput.py --what sampling "${model[@]}"
+    step 180 "$PY" bench/train_throughput.py --find_max_batch 350m "${tiny[@]}"
+    step 220 "$PY" bench/train_throughput.py --find_max_batch 774m "${tiny[@]}"
     ;;
 3)
-    step 300 "$PY" bench/ab.py fp32_outputs --compile true --pairs 2 --warmup 3 --steps 10
-    step 240 "$PY" bench/bench.py --find_max_batch 350m
-    ;;
-4)
-    run=runs/gpu-train
-    rm -rf "$run"
-    # tiny Shakespeare as GPT-2 token shards (90/10 split), written with tiktoken alone: `prepare` needs
-    # `datasets`, which that machine lacks and the training path does not need
-    step 60 "$PY" -c "import sys; sys.path.insert(0, 'bench'); from benchlib import ensure_data; print(*ensure_data(None))"
-    # 65,536 tokens per step (one micro-step of 64 x 1024): 100 steps see Shakespeare ~20 times
-    train_flags=(--config gpt2-124m --data_dir runs/bench/data-shakespeare --out_dir "$run" --total_batch_size 65536
-        --warmup_steps 10 --eval_every 50 --eval_steps 4 --hellaswag "$hellaswag" --hellaswag_every 100
-        --hellaswag_limit 2000 --save_every 50 --log_every 10 ${DRY_RUN_FLAGS:-})
-    step 240 "${launch[@]}" train "${train_flags[@]}" --max_steps 100
-    step 120 "${launch[@]}" train "${train_flags[@]}" --max_steps 120 --resume auto
-    step 90 "${launch[@]}" eval --checkpoint "$run" --hellaswag "$hellaswag" --data_dir runs/bench/data-shakespeare
+    run=runs/gpu-e2e
+    rm -rf "$run" runs/gpu-export
+    export TORCHINDUCTOR_CACHE_DIR="$PWD/runs/inductor-cache"  # the resumed run reuses the first one's kernels
+    step 30 "$PY" bench/benchlib.py --text "$text"  # GPT-2 tokens written with tiktoken alone (no `datasets`)
+    data=$("$PY" bench/benchlib.py --text "$text")
+    # 65,536 tokens per step (one micro-step of 64 x 1024), evaluation, HellaSwag and a checkpoint along the way
+    train=(train --config gpt2-124m --data_dir "$data" --out_dir "$run" --total_batch_size 65536 --max_steps 100
+        --warmup_steps 10 --eval_every 25 --eval_steps 4 --hellaswag "$hellaswag" --hellaswag_every 50
+        --hellaswag_limit 1000 --save_every 20 --log_every 5 "${e2e[@]}")
+    echo "=== $(date +%T) ${launch[*]} ${train[*]}, SIGKILL a few seconds after its first checkpoint" | tee -a "$log"
+    timeout -s KILL 170 "${launch[@]}" "${train[@]}" >>"$log" 2>&1 &
+    pid=$!  # timeout leads its own process group: killing the group kills launcher and trainer
+    until ls "$run"/checkpoints/step_*/COMPLETE >/dev/null 2>&1 || ! kill -0 "$pid" 2>/dev/null; do sleep 1; done
+    sleep 5
+    kill -KILL -- -"$pid" 2>/dev/null
+    wait "$pid"
+    killed=$?
+    printf '\n=== killed (exit %s); checkpoints: %s\n' "$killed" "$(ls "$run/checkpoints" 2>/dev/null | xargs)" | tee -a "$log"
+    echo "=== last metrics row before the resume: $(tail -n 1 "$run/metrics.jsonl" 2>/dev/null)" | tee -a "$log"
+    step 140 "${launch[@]}" "${train[@]}" --resume auto
+    step 5 "$PY" -c "from accel_gpt.metrics import read_metrics
+steps = [r['step'] for r in read_metrics('$run/metrics.jsonl')]
+assert steps == list(range(1, 101)), steps
+print('metrics.jsonl: steps 1..100, each once')"
+    step 90 "${launch[@]}" eval --checkpoint "$run" --hellaswag "$hellaswag" --data_dir "$data" --batch_size 32 \
+        "${limit[@]}"
     step 40 "$PY" run.py sample --checkpoint "$run" --prompt "ROMEO:" --max_new_tokens 64 --seed 0
-    step 40 "$PY" run.py export --checkpoint "$run" --out_dir runs/gpu-export
-    cp "$run/metrics.jsonl" "$out/train_metrics.jsonl" 2>/dev/null
-    ;;
-5)
-    step 270 "$PY" bench/bench.py --find_max_batch 774m
-    step 270 "$PY" bench/bench.py --find_max_batch 774m --flags "--activation_checkpointing true"
-    ;;
-6)
-    step 540 "$PY" bench/bench.py --compile on --pairs 1 --flags "--compile_mode max-autotune-no-cudagraphs"
+    step 50 "$PY" run.py export --checkpoint "$run" --out_dir runs/gpu-export
+    step 30 "$PY" -c "from transformers import AutoTokenizer, GPT2LMHeadModel
+model, tok = GPT2LMHeadModel.from_pretrained('runs/gpu-export'), AutoTokenizer.from_pretrained('runs/gpu-export')
+ids = model.generate(**tok('ROMEO:', return_tensors='pt'), max_new_tokens=16, do_sample=False)
+print('transformers reads the export:', repr(tok.decode(ids[0])))"
+    cp "$run/metrics.jsonl" "$out/e2e_metrics.jsonl" 2>/dev/null
     ;;
 *)
-    echo "unknown phase $phase: carry or 1 to 6" >&2
+    echo "unknown phase $phase: carry, 1, 2 or 3" >&2
     exit 2
     ;;
 esac

@@ -1,10 +1,12 @@
-"""Benchmark `run.py prepare` (not a test): throughput against a single-process tiktoken baseline, and peak memory
-with --streaming as the input grows.
+"""`run.py prepare` against a single-process tiktoken baseline (throughput), and its peak memory with --streaming
+as the input grows.
 
     python bench/prepare_throughput.py                      # ~50 MB, 5 alternating rounds, then the memory check
-    python bench/prepare_throughput.py --mb 10 --rounds 1 --memory_factor 0   # quick look
+    python bench/prepare_throughput.py --mb 1 --rounds 1 --memory_factor 2    # quick look
+    python bench/prepare_throughput.py --text FILE          # repeat another text to --mb megabytes
 
-Both sides are whole processes timed from the outside, input file to token file:
+The input is --text (default: tests/data's tiny Shakespeare slice) repeated to about --mb megabytes. Both sides
+are whole processes timed from the outside, input file to token file:
 - baseline: read the file, split it into paragraphs exactly as the datasets text builder does (`split("\\n\\n")`,
   empty ones dropped), `encode_ordinary_batch(docs, num_threads=1)`, EOT before each, write uint16. A second
   baseline uses tiktoken's default 8 threads, which on 2 cores is the best a one-line tiktoken script gets.
@@ -12,12 +14,13 @@ Both sides are whole processes timed from the outside, input file to token file:
   includes building the Arrow cache of the input; and the same with `--streaming`, which builds no cache and reads
   the file while the workers encode.
 The two write the same tokens (checked), so the comparison is like for like. Runs alternate because a command's
-speed drifts between calls on this shared machine (FACTS.md); the medians and the per-round ratios are reported.
+speed drifts between calls on a shared machine; the medians and the per-round ratios are reported.
 Peak memory for the --streaming check is the largest sum of PSS over the process tree (main + workers), sampled
 every 50 ms: PSS, not RSS, because RSS counts pages shared between processes (a spawned worker starts as a fork of
 the main process) once per process.
 """
 
+# ruff: noqa: E402 (the repo root goes on sys.path before accel_gpt is imported)
 from __future__ import annotations
 
 import argparse
@@ -31,11 +34,13 @@ import textwrap
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import numpy as np
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+from accel_gpt.data.shards import open_split, read_manifest
+from bench.benchlib import REPO, TEXT, header
 
 BASELINE = textwrap.dedent(
     """
@@ -52,9 +57,9 @@ BASELINE = textwrap.dedent(
 )
 
 
-def make_input(path: Path, mb: float) -> int:
-    """tinyshakespeare repeated to about `mb` megabytes; returns the size in bytes."""
-    text = SHAKESPEARE.read_text()
+def make_input(source: Path, path: Path, mb: float) -> int:
+    """`source` repeated to about `mb` megabytes; returns the size in bytes."""
+    text = source.read_text(encoding="utf-8")
     repeats = max(1, round(mb * 1e6 / len(text.encode())))
     with open(path, "w") as f:
         for _ in range(repeats):
@@ -97,8 +102,8 @@ def prepare_cmd(src: Path, out: Path, *extra: str) -> list[str]:
 
 
 def shard_tokens(out: Path) -> np.ndarray:
-    files = sorted(out.glob("train_*.bin"))
-    return np.concatenate([np.fromfile(f, dtype=np.uint16) for f in files])
+    """The train split `prepare` wrote (all of the input: no validation tokens were asked for)."""
+    return np.concatenate(open_split(out, read_manifest(out), "train"))
 
 
 def throughput(work: Path, src: Path, rounds: int, env: dict[str, str]) -> None:
@@ -136,7 +141,7 @@ def throughput(work: Path, src: Path, rounds: int, env: dict[str, str]) -> None:
         print(
             f"speed-up {side} vs {base}: {med[base] / med[side]:.2f}x (medians); "
             f"per round {', '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f}x); "
-            f"CPU time {cpu:.2f}x less"
+            f"CPU time baseline / prepare {cpu:.2f}"
         )
 
 
@@ -161,7 +166,8 @@ def memory(work: Path, src: Path, factor: int, env: dict[str, str]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--text", type=Path, default=TEXT, help="text to repeat (default: tests/data/tinyshakespeare.txt)")
     p.add_argument("--mb", type=float, default=50, help="input size in MB (default 50)")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds of the throughput comparison")
     p.add_argument("--memory_factor", type=int, default=4, help="input growth for the memory check (0: skip)")
@@ -170,10 +176,10 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="prepare_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_DATASETS_CACHE=str(work / "hf_cache"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    env.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "tiktoken_cache"))
     src = work / "input.txt"
-    size = make_input(src, args.mb)
-    print(f"input {size / 1e6:.1f} MB ({src}); {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
+    size = make_input(args.text, src, args.mb)
+    print(header("prepare_throughput"))
+    print(f"input {size / 1e6:.1f} MB ({args.text} repeated, in {src})", flush=True)
     if args.rounds:
         throughput(work, src, args.rounds, env)
     if args.memory_factor:

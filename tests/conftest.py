@@ -73,12 +73,13 @@ def write_token_shards(
     shard_size: int | None = None,
     vocab_size: int = 50257,
 ) -> Path:
-    """Shards + manifest in the `prepare` format, straight from token lists (GPT-2 ids; with a smaller
-    `vocab_size`, ids folded into it and the manifest saying so)."""
+    """Shards + manifest in the `prepare` format, straight from token lists: GPT-2 ids, or with another
+    `vocab_size` ids declared as a char vocabulary of that many characters (a manifest's vocab_size must be
+    its tokenizer's; which characters they are does not matter to tests of arithmetic)."""
     import numpy as np
 
-    from accel_gpt.data.shards import ShardWriter, write_manifest
-    from accel_gpt.tokenizer import dtype_for_vocab
+    from accel_gpt.data.shards import ShardWriter, tokenizer_fields, write_manifest
+    from accel_gpt.tokenizer import GPT2_VOCAB, Tokenizer, dtype_for_vocab
 
     data_dir.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(vocab_size)
@@ -93,10 +94,8 @@ def write_token_shards(
             writer = ShardWriter(data_dir, split, i, dtype)
             writer.write(arr[start : start + size])
             splits[split].append(writer.close())
-    write_manifest(
-        data_dir,
-        {"tokenizer": "gpt2", "eot_token": 50256, "vocab_size": vocab_size, "dtype": dtype.name, "splits": splits},
-    )
+    tok = Tokenizer("gpt2") if vocab_size == GPT2_VOCAB else Tokenizer("char", "".join(map(chr, range(vocab_size))))
+    write_manifest(data_dir, {**tokenizer_fields(tok), "splits": splits})
     return data_dir
 
 

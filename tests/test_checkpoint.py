@@ -1,5 +1,6 @@
 """Checkpoints: exact resume after SIGKILL and SIGTERM (W=1 and W=2), a kill while saving, an elastic restart,
-resuming under another world size, refusals (shape change, corrupt files, unsafe pickles), and init_from.
+resuming under another world size, a run crossing epochs of its data, refusals (shape change, corrupt files,
+unsafe pickles), and init_from.
 
 Every run is a real process (`accelerate launch` for W=2, a CPU gloo group), shared between tests through module
 fixtures that run independent jobs two at a time. Interruptions land at exact points:
@@ -33,18 +34,19 @@ from safetensors.torch import load_file
 from accel_gpt.checkpoint import (
     RESUME_FIELDS,
     TrainState,
-    check_pickles_are_safe,
     check_resume_config,
     find_resume_checkpoint,
     prune,
     saved_state,
 )
 from accel_gpt.errors import UserError
+from accel_gpt.weights import load_model
+from accel_gpt.workarounds import check_pickles_are_safe
 
 VOCAB = 256  # token ids folded into a small vocabulary: these tests check bookkeeping, not language
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--vocab_size", str(VOCAB)]
 # 8 steps of 4 sequences (W=1: 2 micro-steps of 2; W=2: 1 each). Saves at 3, 6, 8; metrics rows flushed at even
-# steps and save steps; validation at 4 and 8, so the best/last val loss ride through the resumes too.
+# steps and save steps; validation at 4 and 8, so the last val loss rides through the resumes too.
 FLAGS = [
     *TINY,
     *("--micro_batch_size", "2", "--total_batch_size", "64", "--max_steps", "8", "--seed", "7"),
@@ -61,6 +63,18 @@ def data(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]
     return write_token_shards(
         tmp_path_factory.mktemp("ckpt") / "data", tokens[:36_000], tokens[36_000:], shard_size=9_000, vocab_size=VOCAB
     )
+
+
+# An epoch of EPOCH_WINDOWS windows lasts 2.5 steps of 4: step 3 reads the last 2 windows of epoch 0 and the first
+# 2 of epoch 1, step 6 starts epoch 2 exactly, and step 8 ends 2 windows into epoch 3.
+EPOCH_WINDOWS = 10
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]) -> Path:
+    tokens = [t % VOCAB for t in shakespeare_tokens[:400]]
+    train = tokens[: EPOCH_WINDOWS * 16 + 1]  # a shard of n tokens holds (n - 1) // seq_len windows
+    return write_token_shards(tmp_path_factory.mktemp("tiny") / "data", train, tokens[200:300], vocab_size=VOCAB)
 
 
 # ------------------------------------------------------------------------------------------ launching
@@ -86,11 +100,11 @@ def train(processes: int, data: Path, out: Path, *extra: str, check: bool = True
 
 
 def interrupted(
-    processes: int, data: Path, out: Path, control: str, sig: signal.Signals, *extra: str
+    processes: int, data: Path, out: Path, control: str, sig: signal.Signals, *extra: str, only_rank: int | None = None
 ) -> tuple[int, str]:
     """Run the trainer until the worker pauses at `control` (e.g. `--pause_at 4`), send `sig` to every process
-    (launcher and workers, as a scheduler or a dying node would), let the paused rank go on, and return the
-    launcher's exit code and the output."""
+    (launcher and workers, as a scheduler or a dying node would) or to rank `only_rank` alone, let the paused
+    rank go on, and return the launcher's exit code and the output."""
     ctl = out.parent / f"{out.name}-ctl-{time.monotonic_ns()}"
     ctl.mkdir(parents=True)
     cmd = [*launcher(processes), WORKER, str(ctl), *control.split(), "--", *train_flags(data, out, *extra)]
@@ -106,7 +120,8 @@ def interrupted(
                 time.sleep(0.02)
             workers = [int(p.read_text()) for p in sorted(ctl.glob("pid_*"))]
             assert len(workers) == processes, workers
-            for group in (proc.pid, *workers):  # torchrun gives each worker its own session
+            targets = [proc.pid, *workers] if only_rank is None else [workers[only_rank]]
+            for group in targets:  # torchrun gives each worker its own session
                 _signal_group(group, sig)
             (ctl / "release").touch()
             proc.wait(timeout=120)
@@ -205,7 +220,7 @@ def assert_same_run(run: Path, ref: Path) -> None:
         a, b = (torch.load(ckpt(r, 8) / name, weights_only=True) for r in (run, ref))
         assert_tree_equal(a, b, name)
     sa, sb = saved_state(ckpt(run, 8)), saved_state(ckpt(ref, 8))
-    for name in ("step", "tokens_seen", "data_position", "best_val_loss", "last_val_loss"):
+    for name in ("step", "tokens_seen", "data_position", "last_val_loss"):
         assert getattr(sa, name) == getattr(sb, name), name
     ra, rb = rows(run), rows(ref)
     assert [r["step"] for r in ra] == STEPS, "each step exactly once"
@@ -218,9 +233,9 @@ def assert_same_run(run: Path, ref: Path) -> None:
 # ------------------------------------------------------------------------------------------ the runs
 
 
-def reference(processes: int, data: Path, out: Path) -> Path:
+def reference(processes: int, data: Path, out: Path, *extra: str) -> Path:
     """The 8 steps never interrupted."""
-    stderr = train(processes, data, out).stderr
+    stderr = train(processes, data, out, *extra).stderr
     assert_group(stderr, processes)
     assert "Removed shared tensor" not in stderr  # the tied head is left out quietly, not by accelerate's warning
     return out
@@ -267,6 +282,44 @@ def w2_chain_runs(data: Path, out: Path) -> dict:
     return seen
 
 
+# Rows are flushed every 4 steps and checkpoints written at 5 and 8, so step 3 is neither: a stop there must not
+# wait for the next flush (step 4). Neither setting changes what is trained, so the references still apply.
+LOG_EVERY_4 = ("--log_every", "4", "--save_every", "5")
+
+
+def log_every_4_sigterm_runs(processes: int, data: Path, out: Path) -> dict:
+    """SIGTERM while rank 0 is paused before step 3: to every process under W=1; under W=2 to rank 1 alone (which
+    cannot get past step 3's gradient sync without rank 0), so only the ranks' agreement after every step can
+    stop rank 0 there. Then resumed."""
+    seen: dict = {"run": out}
+    target = None if processes == 1 else 1
+    seen["term_rc"], seen["term_out"] = interrupted(
+        processes, data, out, "--pause_at 3", signal.SIGTERM, *LOG_EVERY_4, only_rank=target
+    )
+    seen["after_term"] = (checkpoints(out), [r["step"] for r in rows(out)])
+    seen["final"] = train(processes, data, out, *LOG_EVERY_4, "--resume", "auto")
+    return seen
+
+
+# Checkpoints every 2 steps, all kept: step 2 sits at stream position 8 (epoch 0), step 4 at 16 (epoch 1).
+EPOCH_FLAGS = ("--save_every", "2", "--keep_checkpoints", "0")
+
+
+def epoch_chain_runs(data: Path, out: Path) -> dict:
+    """W=1 on EPOCH_WINDOWS windows: SIGKILL during step 3 (newest checkpoint step 2, on the near side of the
+    first epoch boundary: the resume crosses it), resumed and SIGKILLed during step 5 (newest checkpoint step 4,
+    on the far side: the resume starts inside epoch 1), then resumed to the end."""
+    seen: dict = {"run": out}
+    rc, seen["near_out"] = interrupted(1, data, out, "--pause_at 3", signal.SIGKILL, *EPOCH_FLAGS)
+    assert rc == -signal.SIGKILL
+    seen["after_near"] = (checkpoints(out), [r["step"] for r in rows(out)])
+    rc, seen["far_out"] = interrupted(1, data, out, "--pause_at 3", signal.SIGKILL, *EPOCH_FLAGS, "--resume", "auto")
+    assert rc == -signal.SIGKILL
+    seen["after_far"] = (checkpoints(out), [r["step"] for r in rows(out)])
+    seen["final"] = train(1, data, out, *EPOCH_FLAGS, "--resume", "auto")
+    return seen
+
+
 def elastic_run(data: Path, out: Path) -> dict:
     """`accelerate launch --max_restarts 1 --rdzv_backend c10d`, `resume: auto`; rank 1 SIGKILLs itself once,
     before step 5.
@@ -309,7 +362,7 @@ def init_from_runs(data: Path, root: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict:
+def runs(tmp_path_factory: pytest.TempPathFactory, data: Path, tiny_data: Path) -> dict:
     """Every run that needs only the data, two at a time (2 cores: a W=1 run beside a W=2 one); longest first.
     A failed job is kept as its exception, raised only by the tests that use it."""
     root = tmp_path_factory.mktemp("runs")
@@ -317,8 +370,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict:
         "w2_chain": lambda: w2_chain_runs(data, root / "w2" / "run"),
         "w1_chain": lambda: w1_chain_runs(data, root / "w1" / "run"),
         "elastic": lambda: elastic_run(data, root / "elastic" / "run"),
+        "epoch_chain": lambda: epoch_chain_runs(tiny_data, root / "epoch" / "run"),
+        "log4_w2": lambda: log_every_4_sigterm_runs(2, data, root / "log4_w2" / "run"),
+        "log4_w1": lambda: log_every_4_sigterm_runs(1, data, root / "log4_w1" / "run"),
         "ref2": lambda: reference(2, data, root / "ref2"),
         "ref1": lambda: reference(1, data, root / "ref1"),
+        "epoch_ref": lambda: reference(1, tiny_data, root / "epoch_ref", *EPOCH_FLAGS),
         "init_from": lambda: init_from_runs(data, root / "init"),
     }
     with ThreadPoolExecutor(2) as pool:
@@ -340,6 +397,7 @@ def ref(runs: dict) -> dict[int, Path]:
 # ------------------------------------------------------------------------------------------ reference runs
 
 
+@pytest.mark.slow
 def test_reference_runs_save_every_3_and_at_the_end(ref: dict[int, Path]) -> None:
     for run in ref.values():
         assert checkpoints(run) == ["step_00000003", "step_00000006", "step_00000008"]
@@ -350,6 +408,7 @@ def test_reference_runs_save_every_3_and_at_the_end(ref: dict[int, Path]) -> Non
         assert json.loads((ckpt(run, 6) / "COMPLETE").read_text())["val_loss"] is None  # not evaluated at 6
 
 
+@pytest.mark.slow
 def test_checkpoint_weights_have_the_same_keys_for_any_world_size(ref: dict[int, Path]) -> None:
     """accelerate saves the module it was given, not the DDP wrapper: no `module.` prefix under W=2, so a
     checkpoint resumes under any W. The tied LM head is stored once, as wte."""
@@ -359,12 +418,11 @@ def test_checkpoint_weights_have_the_same_keys_for_any_world_size(ref: dict[int,
     assert "lm_head.weight" not in keys[0] and "transformer.wte.weight" in keys[0]
 
 
-def test_artifacts_load_model_reads_a_checkpoint(ref: dict[int, Path]) -> None:
+@pytest.mark.slow
+def test_load_model_reads_a_checkpoint(ref: dict[int, Path]) -> None:
     """eval/sample/export accept a checkpoint folder: the step-8 checkpoint holds the final weights."""
-    from accel_gpt.artifacts import load_model
-
-    model, _, meta = load_model(ckpt(ref[2], 8))
-    assert meta["step"] == 8 and meta["model"]["n_layer"] == 2
+    model, card = load_model(ckpt(ref[2], 8))
+    assert card.step == 8 and card.model.n_layer == 2
     final = load_file(str(ref[2] / "model.safetensors"))
     state = model.state_dict()
     for k, v in final.items():
@@ -380,10 +438,12 @@ def w1_chain(runs: dict) -> dict:
     return result(runs, "w1_chain")
 
 
+@pytest.mark.slow
 def test_w1_sigkill_leaves_last_checkpoint_and_its_rows(w1_chain: dict) -> None:
     assert w1_chain["after_kill"] == (["step_00000003"], [1, 2, 3])
 
 
+@pytest.mark.slow
 def test_w1_sigterm_saves_at_the_stop_step_and_exits_0(w1_chain: dict) -> None:
     assert w1_chain["term_rc"] == 0, w1_chain["term_out"][-4000:]
     assert f"resumed from {ckpt(w1_chain['run'], 3)} at step 3" in w1_chain["term_out"]
@@ -391,18 +451,18 @@ def test_w1_sigterm_saves_at_the_stop_step_and_exits_0(w1_chain: dict) -> None:
     assert w1_chain["after_term"] == (["step_00000003", "step_00000004"], [1, 2, 3, 4])
 
 
+@pytest.mark.slow
 def test_w1_kill_while_saving_leaves_previous_checkpoint_loadable(w1_chain: dict) -> None:
-    from accel_gpt.artifacts import load_model
-
     run = w1_chain["run"]
     assert w1_chain["after_save_kill"] == [".tmp-step_00000006", "step_00000003", "step_00000004"]
     final = w1_chain["final"].stderr
     assert f"skipping incomplete checkpoint {ckpt(run, 7)}" in final
     assert f"resumed from {ckpt(run, 4)} at step 4" in final  # not the half-written .tmp-step_6 nor step_7
-    model, _, meta = load_model(ckpt(run, 4))
-    assert meta["step"] == 4 and sum(p.numel() for p in model.parameters()) > 0
+    model, card = load_model(ckpt(run, 4))
+    assert card.step == 4 and sum(p.numel() for p in model.parameters()) > 0
 
 
+@pytest.mark.slow
 def test_w1_interrupted_run_equals_uninterrupted(w1_chain: dict, ref: dict[int, Path]) -> None:
     assert_same_run(w1_chain["run"], ref[1])
     names = checkpoints(w1_chain["run"])
@@ -410,6 +470,7 @@ def test_w1_interrupted_run_equals_uninterrupted(w1_chain: dict, ref: dict[int, 
     assert names == ["step_00000004", "step_00000006", "step_00000007", "step_00000008"]  # 3 complete + step_7
 
 
+@pytest.mark.slow
 def test_w2_sigkill_then_sigterm_then_resume_equals_uninterrupted(runs: dict, ref: dict[int, Path]) -> None:
     w2_chain = result(runs, "w2_chain")
     for key in ("kill_out", "term_out"):
@@ -423,6 +484,7 @@ def test_w2_sigkill_then_sigterm_then_resume_equals_uninterrupted(runs: dict, re
     assert_same_run(w2_chain["run"], ref[2])
 
 
+@pytest.mark.slow
 def test_elastic_restart_after_a_worker_dies(runs: dict, ref: dict[int, Path]) -> None:
     """torchrun restarts the group after rank 1 dies; `resume: auto` takes it from step 3 to the uninterrupted
     run's weights."""
@@ -433,6 +495,66 @@ def test_elastic_restart_after_a_worker_dies(runs: dict, ref: dict[int, Path]) -
     assert "resume: auto found no complete checkpoint" in stderr
     assert f"resumed from {ckpt(elastic['run'], 3)} at step 3" in stderr
     assert_same_run(elastic["run"], ref[2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_between_log_steps_stops_after_that_step(runs: dict, ref: dict[int, Path], processes: int) -> None:
+    """With log_every 4, SIGTERM during step 3 stops after step 3, not at the next log step: step 3 is saved,
+    its metrics row written, the exit is 0, and the resumed run ends where the uninterrupted one does. Under W=2
+    only rank 1 was signalled, so rank 0 stopping at the same step shows that the ranks agree after every step;
+    torchrun, not signalled itself, returns the workers' 0."""
+    chain = result(runs, f"log4_w{processes}")
+    term, final = chain["term_out"], chain["final"].stderr
+    assert chain["term_rc"] == 0, term[-4000:]
+    assert_group(term, processes)
+    assert "stop requested: stopped after step 3" in term and "finished at step 3/8" in term, term[-4000:]
+    assert chain["after_term"] == (["step_00000003"], [1, 2, 3])
+    assert_group(final, processes)
+    assert f"resumed from {ckpt(chain['run'], 3)} at step 3" in final
+    assert checkpoints(chain["run"]) == ["step_00000003", "step_00000005", "step_00000008"]
+    assert_same_run(chain["run"], ref[processes])
+
+
+# ------------------------------------------------------------------------------------------ epochs of the data
+
+
+@pytest.mark.slow
+def test_run_across_epoch_boundaries_killed_and_resumed_equals_uninterrupted(runs: dict) -> None:
+    chain, ref = result(runs, "epoch_chain"), result(runs, "epoch_ref")
+    positions = [saved_state(ckpt(ref, step)).data_position for step in (2, 4, 6, 8)]
+    assert positions == [8, 16, 24, 32]  # 4 windows a step; an epoch is EPOCH_WINDOWS = 10
+    assert chain["after_near"] == (["step_00000002"], [1, 2])
+    assert f"resumed from {ckpt(chain['run'], 2)} at step 2" in chain["far_out"]  # position 8: epoch 0
+    assert chain["after_far"] == (["step_00000002", "step_00000004"], [1, 2, 3, 4])
+    assert f"resumed from {ckpt(chain['run'], 4)} at step 4" in chain["final"].stderr  # position 16: epoch 1
+    assert checkpoints(chain["run"]) == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    assert_same_run(chain["run"], ref)
+
+
+@pytest.mark.slow
+def test_steps_across_an_epoch_boundary_read_the_next_epochs_permutation(runs: dict, tiny_data: Path) -> None:
+    """The step-k loss row is the loss of the step-(k-1) weights on step k's windows. Step 3 must read the
+    last 2 windows of epoch 0's permutation, then the first 2 of epoch 1's; step 5 windows 6-9 of epoch 1's."""
+    from accel_gpt.data.loader import TokenWindows, WindowSampler
+
+    ref = result(runs, "epoch_ref")
+    windows = TokenWindows(tiny_data, "train", 16)
+    assert len(windows) == EPOCH_WINDOWS
+    sampler = WindowSampler(EPOCH_WINDOWS, seed=7)
+    p0, p1 = sampler.permutation(0).tolist(), sampler.permutation(1).tolist()
+    logged = {r["step"]: r["loss"] for r in rows(ref)}
+
+    def loss(step: int, ids: list[int]) -> float:
+        model, _ = load_model(ckpt(ref, step - 1))
+        x = torch.stack([windows[i][0] for i in ids])
+        y = torch.stack([windows[i][1] for i in ids])
+        with torch.no_grad():
+            return model(x, y)[1].item()
+
+    assert loss(3, p0[8:] + p1[:2]) == pytest.approx(logged[3], abs=1e-5)
+    assert loss(5, p1[6:]) == pytest.approx(logged[5], abs=1e-5)
+    assert abs(loss(3, p0[8:] + p0[:2]) - logged[3]) > 1e-3, "epoch 0 repeated would give the same loss"
 
 
 # ------------------------------------------------------------------------------------------ runs from a checkpoint
@@ -479,6 +601,7 @@ def from_ref(tmp_path_factory: pytest.TempPathFactory, data: Path, ref: dict[int
     return {"results": results, "before": before, "after": after, "marker": marker, "runs": dict(cases)}
 
 
+@pytest.mark.slow
 def test_resume_under_another_world_size(from_ref: dict, ref: dict[int, Path]) -> None:
     """W=2's step-3 checkpoint (accumulation 1) resumed by W=1 (accumulation 2). The odd step matters:
     accelerate's restored micro-step counter (3) made W=1 sync after one micro-step and then skip every update,
@@ -496,6 +619,7 @@ def test_resume_under_another_world_size(from_ref: dict, ref: dict[int, Path]) -
     assert diff < 1e-5, f"final weights differ by {diff}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
@@ -513,6 +637,7 @@ def test_refused_resume_is_one_line_exit_2_and_touches_nothing(from_ref: dict, c
     assert from_ref["after"][case] == from_ref["before"][case], "a refused resume changed the run directory"
 
 
+@pytest.mark.slow
 def test_unsafe_pickle_is_refused_before_anything_runs(from_ref: dict) -> None:
     """The payload is live (unpickling it with weights_only=False runs it), yet the refused resume never ran it."""
     marker: Path = from_ref["marker"]
@@ -522,6 +647,7 @@ def test_unsafe_pickle_is_refused_before_anything_runs(from_ref: dict) -> None:
     assert marker.is_dir()
 
 
+@pytest.mark.slow
 def test_check_pickles_refuses_unsafe_and_corrupt_files(tmp_path: Path, ref: dict[int, Path]) -> None:
     folder = tmp_path / "ckpt"
     shutil.copytree(ckpt(ref[1], 3), folder)
@@ -566,6 +692,7 @@ def test_resume_config_refuses_each_shape_or_batch_field(name: str) -> None:
         check_resume_config(saved, {**saved, name: 128}, Path("ck"))
 
 
+@pytest.mark.slow
 def test_find_resume_checkpoint_choices(tmp_path: Path, ref: dict[int, Path]) -> None:
     run = tmp_path / "run"
     shutil.copytree(ref[1] / "checkpoints", run / "checkpoints")
@@ -587,17 +714,21 @@ def test_find_resume_checkpoint_choices(tmp_path: Path, ref: dict[int, Path]) ->
 
 
 def test_trainer_state_round_trips_through_weights_only_load(tmp_path: Path) -> None:
-    state = TrainState(step=5, tokens_seen=320, data_position=20, best_val_loss=1.5, config={"seed": 7, "x": "y"})
+    state = TrainState(step=5, tokens_seen=320, data_position=20, last_val_loss=1.5, config={"seed": 7, "x": "y"})
     torch.save(state.state_dict(), tmp_path / "s.pkl")
     back = TrainState()
     back.load_state_dict(torch.load(tmp_path / "s.pkl", weights_only=True))
-    assert (back.step, back.tokens_seen, back.data_position, back.best_val_loss) == (5, 320, 20, 1.5)
-    assert math.isnan(back.last_val_loss) and back.config == state.config
+    assert (back.step, back.tokens_seen, back.data_position, back.last_val_loss) == (5, 320, 20, 1.5)
+    assert back.config == state.config
+    torch.save(TrainState().state_dict(), tmp_path / "fresh.pkl")  # a run not yet evaluated: NaN, not an error
+    back.load_state_dict(torch.load(tmp_path / "fresh.pkl", weights_only=True))
+    assert math.isnan(back.last_val_loss) and back.step == 0
 
 
 # ------------------------------------------------------------------------------------------ init_from
 
 
+@pytest.mark.slow
 def test_init_from_starts_from_the_transformers_weights(runs: dict, data: Path) -> None:
     """The step-1 loss is the loss of the step-0 weights on the first global batch; compute it with transformers."""
     import torch.nn.functional as F
@@ -617,6 +748,7 @@ def test_init_from_starts_from_the_transformers_weights(runs: dict, data: Path) 
     assert rows(init["ok_run"])[0]["loss"] == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_init_from_shape_mismatch_is_a_clear_error(runs: dict) -> None:
     proc = result(runs, "init_from")["mismatch"]
     assert proc.returncode == 2

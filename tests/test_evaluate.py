@@ -1,7 +1,8 @@
 """HellaSwag and validation loss: hand-worked scoring, exactness under W = 1, 2, 3, input errors.
 
 The launched runs are made once per module (`launches`) and shared by several tests, because each
-`accelerate launch` spends seconds on imports.
+`accelerate launch` spends seconds on imports; those tests are `slow`. The same evaluation also runs in
+this process (one rank), so the fast subset still checks the numbers against hand-made references.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import http.server
 import json
 import math
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,20 +19,28 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, accelerate_cmd, python_cmd, run_cmd
+from conftest import HELLASWAG, REPO, accelerate_cmd, run_cmd, write_token_shards
 
-from accel_gpt.artifacts import load_model, save_model
+from accel_gpt.cli import main
 from accel_gpt.data.loader import val_windows
-from accel_gpt.data.shards import write_manifest, write_shard
 from accel_gpt.errors import UserError
-from accel_gpt.evaluate.hellaswag import HellaSwagTokens, candidate_losses, choose, collate, load_hellaswag
+from accel_gpt.evaluate.hellaswag import (
+    HellaSwagTokens,
+    candidate_losses,
+    check_vocabulary,
+    choose,
+    collate,
+    load_hellaswag,
+)
 from accel_gpt.model import GPT, GPTConfig
-from accel_gpt.tokenizer import GPT2Tokenizer
+from accel_gpt.tokenizer import Tokenizer
+from accel_gpt.weights import ModelCard, load_model, save_weights
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=64, vocab_size=50304)
 WORLD_SIZES = (1, 2, 3)
 BATCH = 2  # examples (HellaSwag) or windows (val loss) per forward pass: 7 examples leave uneven shards
 EVAL_STEPS = 5  # 10 validation windows: uneven for W=3 too
+GPT2 = Tokenizer("gpt2")
 
 
 def hs_row(ind: int, ctx: str, endings: list[str], label: int) -> dict:
@@ -52,6 +62,11 @@ def hs_row(ind: int, ctx: str, endings: list[str], label: int) -> dict:
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def save(model: GPT, out_dir: Path, tokenizer: Tokenizer = GPT2) -> Path:
+    save_weights(model.state_dict(), ModelCard(model.config, tokenizer, step=0), out_dir)
+    return out_dir
 
 
 SEVEN = [
@@ -76,8 +91,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_checkpoint(workdir: Path) -> Path:
     torch.manual_seed(0)
-    save_model(GPT(TINY), workdir / "tiny", {"name": "gpt2"}, step=0)
-    return workdir / "tiny"
+    return save(GPT(TINY), workdir / "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -87,36 +101,42 @@ def seven_path(workdir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def val_data(workdir: Path) -> Path:
-    data = workdir / "data"
-    data.mkdir()
-    tokens = np.random.default_rng(0).integers(0, 50257, size=12 * TINY.seq_len + 1).astype(np.uint16)
-    entry = write_shard(data, "val", 0, tokens)
-    write_manifest(data, {"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256, "dtype": "uint16",
-                          "splits": {"val": [entry]}})  # fmt: skip
-    return data
+    tokens = np.random.default_rng(0).integers(0, 50257, size=12 * TINY.seq_len + 1).tolist()
+    return write_token_shards(workdir / "data", train=tokens, val=tokens)
 
 
 WORKER = '''
-"""Trainer-style use on every rank: a DDP-wrapped model through the public evaluation functions."""
+"""Trainer-style use on every rank: a DDP-wrapped model through the public evaluation functions, and through
+the Evaluator that the training loop runs."""
 import json, sys
 sys.modules["datasets"] = None  # as if `datasets` were not installed: training must not need it
 from pathlib import Path
 from torch.utils.data import DataLoader
-from accel_gpt.artifacts import load_model
+from accel_gpt.config import TrainConfig
 from accel_gpt.data.loader import val_windows
-from accel_gpt.distributed import make_accelerator
-from accel_gpt.evaluate import evaluate_hellaswag, evaluate_loss, load_hellaswag
-from accel_gpt.sample import sample_texts
+from accel_gpt.evaluate.evaluator import Evaluator
+from accel_gpt.evaluate.hellaswag import hellaswag_loader, hellaswag_metrics, load_hellaswag, score_hellaswag
+from accel_gpt.evaluate.val_loss import evaluate_loss
+from accel_gpt.generate import sample_texts
+from accel_gpt.runtime import make_accelerator
+from accel_gpt.weights import load_model
 
 checkpoint, hellaswag, data_dir, out, batch, eval_steps = sys.argv[1:]
+batch, eval_steps = int(batch), int(eval_steps)
 accelerator = make_accelerator()
-model, tokenizer, _ = load_model(checkpoint)
+model, card = load_model(checkpoint)
 model.train()
-val_dl = DataLoader(val_windows(data_dir, model.config.seq_len, int(eval_steps) * int(batch)), batch_size=int(batch))
+seq_len = card.model.seq_len
+val_dl = DataLoader(val_windows(data_dir, seq_len, eval_steps * batch), batch_size=batch)
 model, val_dl = accelerator.prepare(model, val_dl)
-row = evaluate_hellaswag(model, accelerator, load_hellaswag(hellaswag), int(batch))
+hellaswag_dl = accelerator.prepare_data_loader(hellaswag_loader(load_hellaswag(hellaswag), seq_len, batch))
+row = hellaswag_metrics(score_hellaswag(model, accelerator, hellaswag_dl))
 row["val_loss"] = evaluate_loss(model, val_dl, accelerator)
-row["text"] = sample_texts(model, tokenizer, "Hello", 8, 1.0, 50, 3, accelerator.device)[0]
+row["text"] = sample_texts(model, card.model, card.tokenizer, "Hello", 8, 1.0, 50, 3, accelerator.device)[0]
+shape = {k: v for k, v in card.model.to_dict().items() if k != "layer_norm_eps"}
+cfg = TrainConfig(data_dir=data_dir, **shape, micro_batch_size=batch, total_batch_size=batch * seq_len,
+                  eval_every=1, eval_steps=eval_steps, hellaswag_every=1, hellaswag=hellaswag, sample_tokens=0)
+row["evaluator"] = Evaluator(cfg, accelerator, model, card, ["train", "val"]).run(step=1, last=True)
 row.update(num_processes=accelerator.num_processes, wrapper=type(model).__name__, training=model.training)
 Path(out, f"rank{accelerator.process_index}.json").write_text(json.dumps(row))
 '''
@@ -145,6 +165,54 @@ def launches(workdir: Path, tiny_checkpoint: Path, seven_path: Path, val_data: P
         results[W] = (json.loads(printed[0]), preds)
     results["ddp"] = [json.loads((worker_out / f"rank{r}.json").read_text()) for r in range(2)]
     return results
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`run.py eval` in this process, as a 1-process group; the Accelerate state is dropped afterwards so
+    that other tests start from none, and glibc's malloc settings (a training-speed tweak) are left alone."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setattr("accel_gpt.runtime.keep_freed_memory", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def eval_here(capsys: pytest.CaptureFixture, *args: str) -> dict:
+    """The JSON object that `run.py eval ARGS` prints, run in this process (needs `one_rank`)."""
+    main(["eval", *args])
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(printed) == 1, printed
+    return json.loads(printed[0])
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Path, val_data: Path) -> dict:
+    """What evaluation must give, computed here the plain way: each HellaSwag candidate scored alone (no
+    padding, no batch, truncation written out here), and the validation loss one window at a time."""
+    model, _ = load_model(tiny_checkpoint)
+    enc = GPT2
+    predictions = []
+    for row in SEVEN:
+        ctx = enc.encode(row["ctx"])
+        sums, means = [], []
+        for ending in row["endings"]:
+            end = enc.encode(" " + ending)
+            ids = torch.tensor((ctx + end)[-TINY.seq_len :])
+            n = len(end)
+            with torch.no_grad():
+                logits = model(ids[None])[0][0, len(ids) - n - 1 : -1]  # the positions predicting the ending
+            losses = (-F.log_softmax(logits.double(), dim=-1)[torch.arange(n), ids[-n:]]).tolist()
+            sums.append(sum(losses))
+            means.append(sum(losses) / n)
+        predictions.append((int(np.argmin(means)), int(np.argmin(sums))))
+    windows = val_windows(val_data, TINY.seq_len, EVAL_STEPS * BATCH)
+    with torch.no_grad():
+        val_loss = np.mean([model(x[None], y[None])[1].item() for x, y in windows])
+    return {"predictions": predictions, "val_loss": val_loss}
 
 
 # ------------------------------------------------------------------------------ hand-built scoring case
@@ -197,7 +265,7 @@ def hand_expected(L: float) -> list[tuple[list[float], list[float]]]:
 
 
 def test_hand_built_losses_and_choices_match_worked_values(tmp_path: Path) -> None:
-    enc = GPT2Tokenizer()
+    enc = GPT2
     assert enc.encode(" dog dog dog") == [DOG] * 3 and enc.encode(" cat dog") == [CAT, DOG]
     assert enc.encode("A boy pets the dog")[-1] == DOG and enc.encode("A man walks")[-1] not in (DOG, CAT)
     model, L = hand_model()
@@ -216,16 +284,13 @@ def test_hand_built_losses_and_choices_match_worked_values(tmp_path: Path) -> No
     assert (int(np.argmin(sums1)), int(np.argmin(means1))) == (0, 0)
 
 
-def test_hand_built_case_through_run_eval(workdir: Path) -> None:
+def test_hand_built_case_through_run_eval(workdir: Path, one_rank: None, capsys: pytest.CaptureFixture) -> None:
     """The 2-example case end to end: labels (1, 0); acc_norm gets both, acc only the second."""
     model, _ = hand_model()
-    save_model(model, workdir / "hand", {"name": "gpt2"}, step=0)
+    checkpoint = save(model, workdir / "hand")
     src = write_jsonl(workdir / "hand.jsonl", HAND)
     out = workdir / "hand_preds.jsonl"
-    proc = run_cmd(
-        python_cmd("eval", "--checkpoint", str(workdir / "hand"), "--hellaswag", str(src), "--out", str(out))
-    )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = eval_here(capsys, "--checkpoint", str(checkpoint), "--hellaswag", str(src), "--out", str(out))
     assert result == {"acc_norm": 1.0, "acc": 0.5, "correct_norm": 2, "correct": 1, "total": 2, "num_processes": 1}
     preds = [json.loads(line) for line in out.read_text().splitlines()]
     assert preds == [
@@ -234,9 +299,30 @@ def test_hand_built_case_through_run_eval(workdir: Path) -> None:
     ]
 
 
+# ------------------------------------------------------------------------------ against the plain reference
+
+
+def test_one_rank_matches_the_unbatched_unpadded_reference(
+    reference: dict, tiny_checkpoint: Path, seven_path: Path, val_data: Path, one_rank: None, capsys, tmp_path: Path
+) -> None:
+    """Batched, right-padded, rounded to PAD_MULTIPLE, 7 examples in batches of 2: the same choices and loss."""
+    out = tmp_path / "preds.jsonl"
+    result = eval_here(
+        capsys, "--checkpoint", str(tiny_checkpoint), "--hellaswag", str(seven_path), "--out", str(out),
+        "--batch_size", str(BATCH), "--data_dir", str(val_data), "--eval_steps", str(EVAL_STEPS),
+    )  # fmt: skip
+    preds = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(p["pred_norm"], p["pred_sum"]) for p in preds] == reference["predictions"]
+    assert [p["ind"] for p in preds] == [r["ind"] for r in SEVEN]
+    assert result["total"] == len(SEVEN) and result["num_processes"] == 1
+    assert result["correct_norm"] == sum(p["pred_norm"] == r["label"] for p, r in zip(preds, SEVEN, strict=True))
+    assert result["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
+
+
 # ------------------------------------------------------------------------------ world-size invariance
 
 
+@pytest.mark.slow
 def test_hellaswag_counts_and_predictions_identical_for_w_1_2_3(launches: dict) -> None:
     for W in WORLD_SIZES:
         assert launches[W][0]["num_processes"] == W, f"W={W} did not form one {W}-process group"
@@ -250,40 +336,24 @@ def test_hellaswag_counts_and_predictions_identical_for_w_1_2_3(launches: dict) 
     assert [p["label"] for p in launches[1][1]] == [r["label"] for r in SEVEN]
 
 
-def test_predictions_match_unbatched_unpadded_reference(launches: dict, tiny_checkpoint: Path) -> None:
-    """Each candidate scored alone (no padding, no batch, truncation written out here) picks the same."""
-    model, _, _ = load_model(tiny_checkpoint)
-    enc = GPT2Tokenizer()
-    expected = []
-    for row in SEVEN:
-        ctx = enc.encode(row["ctx"])
-        sums, means = [], []
-        for ending in row["endings"]:
-            end = enc.encode(" " + ending)
-            ids = torch.tensor((ctx + end)[-TINY.seq_len :])
-            n = len(end)
-            with torch.no_grad():
-                logits = model(ids[None])[0][0, len(ids) - n - 1 : -1]  # the positions predicting the ending
-            losses = (-F.log_softmax(logits.double(), dim=-1)[torch.arange(n), ids[-n:]]).tolist()
-            sums.append(sum(losses))
-            means.append(sum(losses) / n)
-        expected.append((int(np.argmin(means)), int(np.argmin(sums))))
-    assert [(p["pred_norm"], p["pred_sum"]) for p in launches[1][1]] == expected
+@pytest.mark.slow
+def test_predictions_match_unbatched_unpadded_reference(launches: dict, reference: dict) -> None:
+    """Each candidate scored alone (no padding, no batch, truncation written out) picks the same."""
+    assert [(p["pred_norm"], p["pred_sum"]) for p in launches[1][1]] == reference["predictions"]
 
 
-def test_val_loss_identical_for_w_1_2_3_and_correct(launches: dict, tiny_checkpoint: Path, val_data: Path) -> None:
-    model, _, _ = load_model(tiny_checkpoint)
-    windows = val_windows(val_data, TINY.seq_len, EVAL_STEPS * BATCH)
-    with torch.no_grad():
-        reference = np.mean([model(x[None], y[None])[1].item() for x, y in windows])
+@pytest.mark.slow
+def test_val_loss_identical_for_w_1_2_3_and_correct(launches: dict, reference: dict) -> None:
     for W in WORLD_SIZES:
         assert launches[W][0]["val_loss"] == pytest.approx(launches[1][0]["val_loss"], abs=1e-6)
-    assert launches[1][0]["val_loss"] == pytest.approx(reference, abs=1e-5)
+    assert launches[1][0]["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_trainer_style_ddp_model_on_every_rank(launches: dict) -> None:
     """Prepared (DDP) model, evaluated on both ranks: same metrics as the CLI, same sample, mode kept,
-    all without `datasets` importable (only the hub branch of the loader needs it)."""
+    all without `datasets` importable (only the hub branch of the loader needs it). The training loop's
+    Evaluator gives the same numbers."""
     ranks = launches["ddp"]
     cli = launches[1][0]
     for row in ranks:
@@ -292,6 +362,10 @@ def test_trainer_style_ddp_model_on_every_rank(launches: dict) -> None:
         for key in ("acc_norm", "acc", "correct_norm", "correct", "total"):
             assert row[key] == cli[key]
         assert row["val_loss"] == pytest.approx(cli["val_loss"], abs=1e-6)
+        evaluator = row["evaluator"]
+        assert set(evaluator) == {"val_loss", "hellaswag_acc_norm", "hellaswag_acc"}
+        assert (evaluator["hellaswag_acc_norm"], evaluator["hellaswag_acc"]) == (cli["acc_norm"], cli["acc"])
+        assert evaluator["val_loss"] == pytest.approx(cli["val_loss"], abs=1e-6)
     assert ranks[0]["text"] == ranks[1]["text"]
     assert ranks[0]["text"].startswith("Hello") and len(ranks[0]["text"]) > len("Hello")
 
@@ -308,6 +382,9 @@ def test_loads_original_format_with_limit_blank_lines_and_hub_style_labels(tmp_p
     assert [(e.ind, e.ctx, e.label) for e in examples] == [(5, "c0", 2), (6, "c1", 3)]
     assert examples[0].endings == ("a", "b", "c", "d")
     assert len(load_hellaswag(str(path), limit=1)) == 1
+    shipped = load_hellaswag(str(HELLASWAG))  # the 50 real rows in tests/data
+    assert [e.ind for e in shipped] == list(range(50)) and all(len(e.endings) == 4 for e in shipped)
+    assert shipped[0].ctx == "A man is sitting on a roof. he" and shipped[0].label == 3
 
 
 @pytest.mark.parametrize(
@@ -332,17 +409,48 @@ def test_malformed_rows_name_the_line_and_the_problem(tmp_path: Path, line: str,
     assert f"{path} {message}" in str(err.value)
 
 
-def test_bad_file_through_the_cli_is_one_line_and_exit_2(tmp_path: Path, tiny_checkpoint: Path) -> None:
+def test_bad_file_through_the_cli_is_one_line_and_exit_2(
+    tmp_path: Path, tiny_checkpoint: Path, one_rank: None, capsys: pytest.CaptureFixture
+) -> None:
     bad = write_jsonl(tmp_path / "bad.jsonl", [hs_row(0, "ok", ["a", "b", "c", "d"], 0), {"ctx": "x"}])
     out = tmp_path / "preds.jsonl"
     out.write_text("earlier output\n")
-    cmd = python_cmd("eval", "--checkpoint", str(tiny_checkpoint), "--hellaswag", str(bad), "--out", str(out))
-    proc = run_cmd(cmd, check=False)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--checkpoint", str(tiny_checkpoint), "--hellaswag", str(bad), "--out", str(out)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"error: {bad} line 2: missing field(s) endings, label (expected ctx, endings, label)"
     ]
     assert out.read_text() == "earlier output\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "nothing to evaluate: pass --hellaswag SRC and/or --data_dir D"),
+        (["--data_dir", "d", "--out", "p.jsonl"], "--out writes HellaSwag predictions; it needs --hellaswag"),
+        (["--hellaswag", "h", "--batch_size", "0"], "batch_size=0 must be >= 1"),
+    ],
+)
+def test_eval_settings_are_checked_before_anything_loads(args: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--checkpoint", "nowhere", *args])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+
+
+def test_hellaswag_needs_a_gpt2_model(
+    tmp_path: Path, seven_path: Path, one_rank: None, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(UserError, match="HellaSwag needs a GPT-2 vocabulary \\(>= 50257 ids\\); this model has 50000"):
+        check_vocabulary(50_000)
+    chars = "".join(sorted(set("abcdefghijklmnopqrstuvwxyz .")))
+    checkpoint = save(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, vocab_size=64)), tmp_path / "char",
+                      Tokenizer("char", chars))  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--checkpoint", str(checkpoint), "--hellaswag", str(seven_path)])
+    assert exc.value.code == 2
+    assert "HellaSwag is scored with the gpt2 tokenizer" in capsys.readouterr().err
 
 
 def test_url_source_and_unreachable_url(tmp_path: Path) -> None:

@@ -15,13 +15,16 @@ from conftest import python_cmd, run_cmd
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, pipeline
 
 from accel_gpt import hf
-from accel_gpt.artifacts import WEIGHTS, load_model, save_model
 from accel_gpt.cli import main as cli_main
 from accel_gpt.errors import UserError
+from accel_gpt.export import export
 from accel_gpt.model import GPT, GPTConfig
+from accel_gpt.tokenizer import Tokenizer
+from accel_gpt.weights import WEIGHTS, ModelCard, load_model, save_weights
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, seq_len=16)
 PADDED_VOCAB = 50_304
+GPT2 = Tokenizer("gpt2")
 TRICKY_TEXTS = [
     "Hello world",
     "  leading spaces,   runs of   spaces and a trailing space ",
@@ -64,6 +67,12 @@ def tiny_gpt(vocab_size: int = 96) -> GPT:
 
 def ids(vocab_size: int, seed: int = 2) -> torch.Tensor:
     return torch.randint(0, vocab_size, (2, TINY["seq_len"]), generator=torch.Generator().manual_seed(seed))
+
+
+def save(model: GPT, out_dir: Path, tokenizer: Tokenizer = GPT2, step: int = 0) -> Path:
+    """What a run writes beside its final weights (and in every checkpoint)."""
+    save_weights(model.state_dict(), ModelCard(model.config, tokenizer, step), out_dir)
+    return out_dir
 
 
 @torch.no_grad()
@@ -139,8 +148,9 @@ def test_load_transformers_gpt2_folder_pads_and_errors_clearly(tmp_path):
     model = hf.load_transformers_gpt2(str(folder), vocab_size=128)
     x = ids(100)
     torch.testing.assert_close(ours(model, x)[..., :100], theirs(src, x), atol=1e-4, rtol=0)
-    via_artifacts, tok, meta = load_model(folder)  # --checkpoint on a transformers folder
-    assert meta["tokenizer"] == {"name": "gpt2"} and via_artifacts.config.vocab_size == 100
+    via_weights, card = load_model(folder)  # --checkpoint on a transformers folder
+    assert card.tokenizer == Tokenizer("gpt2") and card.tokenizer.to_dict() == {"name": "gpt2"}
+    assert via_weights.config.vocab_size == 100 and card.model == via_weights.config
 
     (folder / "model.safetensors").write_bytes(b"\x00not a safetensors file")
     with pytest.raises(UserError, match="cannot load transformers GPT-2"):
@@ -174,15 +184,35 @@ def export_cmd(checkpoint: Path, out_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> tuple[GPT, Path, Path]:
-    """One export subprocess for the module: a tiny GPT with the padded 50,304 vocabulary."""
+    """One export for the module, in this process: a tiny GPT with the padded 50,304 vocabulary."""
     root = tmp_path_factory.mktemp("export")
     model = tiny_gpt(vocab_size=PADDED_VOCAB)
-    run_dir = root / "run"
-    save_model(model, run_dir, {"name": "gpt2"}, step=7)
+    run_dir = save(model, root / "run", step=7)
     out = root / "hf"
+    assert export(run_dir, out) == out
+    return model, run_dir, out
+
+
+@pytest.mark.slow
+def test_export_command_writes_the_same_folder(exported, tmp_path):
+    """`run.py export` in its own process names what it wrote, and writes what `export` wrote here."""
+    _, run_dir, reference = exported
+    out = tmp_path / "hf"
     proc = run_cmd(export_cmd(run_dir, out), timeout=120)
     assert str(out) in proc.stdout
-    return model, run_dir, out
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+    for name in ("model.safetensors", "config.json", "vocab.json", "merges.txt"):
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_export_command_in_process_names_the_folder(exported, tmp_path, capsys):
+    _, run_dir, _ = exported
+    out = tmp_path / "hf"
+    cli_main(["export", "--checkpoint", str(run_dir), "--out_dir", str(out)])
+    assert capsys.readouterr().out.strip() == (
+        f"exported {run_dir} -> {out} (GPT2LMHeadModel + GPT-2 tokenizer, vocab 50257)"
+    )
+    assert (out / "model.safetensors").is_file()
 
 
 def test_export_writes_a_complete_gpt2_folder(exported):
@@ -279,14 +309,14 @@ def cli_export_error(checkpoint: Path, out: Path, capsys) -> str:
 
 def test_export_refuses_char_tokenizer(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    save_model(GPT(GPTConfig(**TINY, vocab_size=65)), run_dir, {"name": "char", "chars": "abc"}, step=1)
+    save(GPT(GPTConfig(**TINY, vocab_size=65)), run_dir, Tokenizer("char", "abc"), step=1)
     assert "'char' tokenizer" in cli_export_error(run_dir, tmp_path / "hf", capsys)
     assert not (tmp_path / "hf").exists()
 
 
 def test_export_corrupt_or_missing_weights_error_clearly(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    save_model(tiny_gpt(vocab_size=PADDED_VOCAB), run_dir, {"name": "gpt2"}, step=1)
+    save(tiny_gpt(vocab_size=PADDED_VOCAB), run_dir, step=1)
     weights = run_dir / WEIGHTS
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated, as by a crash mid-copy
     assert "not a readable safetensors file" in cli_export_error(run_dir, tmp_path / "hf", capsys)

@@ -1,6 +1,7 @@
 """`run.py plot`: a real PNG from metrics.jsonl files shaped like the trainer's, runs overlaid, clear errors.
 
-The metrics rows here are written by the test (the quick-start test plots a real training run).
+The metrics rows here are written by the test (the quick-start test plots a real training run) and read
+back through `accel_gpt.metrics.read_metrics`, the same reader the trainer's resume uses.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from accel_gpt.cli import main
-from accel_gpt.plot import load_rows, load_runs, make_figure, run_labels
+from accel_gpt.config import PlotConfig
+from accel_gpt.plot import load_rows, load_runs, make_figure, run_labels, run_plot
 from tests.conftest import run_cmd
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -54,14 +56,12 @@ def axes_by_title(figure) -> dict:
     return {ax.get_title(): ax for ax in figure.axes}
 
 
-def test_plot_command_writes_png_with_every_run_overlaid(tmp_path: Path) -> None:
+def test_plot_writes_png_with_every_run_overlaid(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     a = write_run(tmp_path / "baseline", steps=12, hellaswag=True)
     b = write_run(tmp_path / "bigger_lr", steps=8, hellaswag=False, loss0=9.0)
     out = tmp_path / "plots" / "runs.png"  # the folder does not exist yet
-    # The CLI's own main() in a fresh interpreter, which then reports whether plotting pulled in torch.
-    script = f"import sys; from accel_gpt.cli import main; main({['plot', str(a), str(b), '--out', str(out)]!r}); "
-    proc = run_cmd([sys.executable, "-c", script + "print('torch' in sys.modules)"], timeout=120)
-    assert proc.stdout.splitlines() == [f"wrote {out} (2 runs, up to step 12)", "False"]  # no torch: starts fast
+    run_plot(PlotConfig(run_dirs=[str(a), str(b)], out=str(out)))
+    assert capsys.readouterr().out.splitlines() == [f"wrote {out} (2 runs, up to step 12)"]
     width, height = png_size(out)
     assert (width, height) == (1320, 880)  # 12 x 8 inches at 110 dpi
 
@@ -73,6 +73,18 @@ def test_plot_command_writes_png_with_every_run_overlaid(tmp_path: Path) -> None
     for color in ("C0", "C1"):  # each run's colour is on the picture: both runs were drawn
         rgb = np.array(matplotlib.colors.to_rgb(color))
         assert (np.abs(pixels - rgb).max(axis=-1) < 0.02).sum() > 200, f"no {color} line in the PNG"
+
+
+@pytest.mark.slow
+def test_plot_command_in_a_fresh_interpreter_imports_no_torch(tmp_path: Path) -> None:
+    a = write_run(tmp_path / "baseline", steps=12, hellaswag=True)
+    b = write_run(tmp_path / "bigger_lr", steps=8, hellaswag=False, loss0=9.0)
+    out = tmp_path / "plots" / "runs.png"
+    # The CLI's own main() in a fresh interpreter, which then reports whether plotting pulled in torch.
+    script = f"import sys; from accel_gpt.cli import main; main({['plot', str(a), str(b), '--out', str(out)]!r}); "
+    proc = run_cmd([sys.executable, "-c", script + "print('torch' in sys.modules)"], timeout=120)
+    assert proc.stdout.splitlines() == [f"wrote {out} (2 runs, up to step 12)", "False"]  # no torch: starts fast
+    assert png_size(out) == (1320, 880)
 
 
 def test_figure_panels_hold_each_runs_series(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Sampling: seeded reproducibility, greedy decoding, top-k, cropping and the sliding window, the CLI."""
+"""Sampling: seeded reproducibility, greedy decoding, top-k, cropping and the sliding window, the KV cache,
+wrapped models, prompt encoding, the CLI."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import pytest
 import torch
 from conftest import python_cmd, run_cmd
 
-from accel_gpt.artifacts import load_model, save_model
 from accel_gpt.errors import UserError
+from accel_gpt.generate import encode_prompt, generate, sample_texts
 from accel_gpt.model import GPT, GPTConfig, KVCache
-from accel_gpt.sample import generate, sample_texts
-from accel_gpt.tokenizer import GPT2Tokenizer
+from accel_gpt.tokenizer import Tokenizer
+from accel_gpt.weights import ModelCard, load_model, save_weights
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=64, vocab_size=50304)
 
@@ -21,20 +22,21 @@ TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=64, vocab_size=50304)
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("sample") / "tiny"
-    save_model(GPT(TINY), path, {"name": "gpt2"}, step=0)
+    save_weights(GPT(TINY).state_dict(), ModelCard(TINY, Tokenizer("gpt2"), step=0), path)
     return path
 
 
 @pytest.fixture(scope="module")
-def loaded(checkpoint: Path) -> tuple[GPT, GPT2Tokenizer]:
-    model, tokenizer, _ = load_model(checkpoint)
-    return model, tokenizer
+def loaded(checkpoint: Path) -> tuple[GPT, Tokenizer]:
+    model, card = load_model(checkpoint)
+    assert card.model == TINY and card.tokenizer == Tokenizer("gpt2") and card.step == 0
+    return model, card.tokenizer
 
 
 def draw(loaded, seed: int, **kw) -> str:
     model, tokenizer = loaded
     args = {"prompt": "Once upon a time", "max_new_tokens": 12, "temperature": 1.0, "top_k": None, **kw}
-    return sample_texts(model, tokenizer, seed=seed, device="cpu", **args)[0]
+    return sample_texts(model, TINY, tokenizer, seed=seed, device="cpu", **args)[0]
 
 
 def test_same_seed_same_text_other_seed_differs(loaded) -> None:
@@ -51,7 +53,7 @@ def test_greedy_is_the_argmax_chain_and_ignores_the_seed(loaded) -> None:
     with torch.no_grad():
         for _ in range(6):
             expected = torch.cat([expected, model(expected)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(generate(model, idx, 6, temperature=0.0), expected)
+    assert torch.equal(generate(model, TINY, idx, 6, temperature=0.0), expected)
     assert draw(loaded, seed=1, temperature=0.0) == draw(loaded, seed=2, temperature=0.0)
     # top-k = 1 leaves only the most likely token, whatever the temperature
     assert draw(loaded, seed=3, top_k=1) == draw(loaded, seed=4, temperature=0.0)
@@ -60,9 +62,9 @@ def test_greedy_is_the_argmax_chain_and_ignores_the_seed(loaded) -> None:
 def test_long_prompt_is_cropped_from_the_left_and_the_window_slides(loaded) -> None:
     model, _ = loaded
     prompt = torch.randint(0, 50257, (1, 70), generator=torch.Generator().manual_seed(0))
-    out = generate(model, prompt, max_new_tokens=10, temperature=0.0)  # 80 tokens: past seq_len=64
+    out = generate(model, TINY, prompt, max_new_tokens=10, temperature=0.0)  # 80 tokens: past seq_len=64
     assert out.shape == (1, 80) and torch.equal(out[:, :70], prompt)
-    cropped = generate(model, prompt[:, -TINY.seq_len :], max_new_tokens=10, temperature=0.0)
+    cropped = generate(model, TINY, prompt[:, -TINY.seq_len :], max_new_tokens=10, temperature=0.0)
     assert torch.equal(out[:, 70:], cropped[:, TINY.seq_len :])  # only the last seq_len tokens mattered
 
 
@@ -85,10 +87,10 @@ def test_generation_with_and_without_cache_agree(loaded) -> None:
     """Greedy tokens are the same, also once the sequence outgrows the context and the window slides."""
     model, _ = loaded
     prompt = torch.randint(0, 50257, (2, 50), generator=torch.Generator().manual_seed(2))
-    cached = generate(model, prompt, max_new_tokens=24, temperature=0.0)  # 74 tokens: past seq_len=64
-    assert torch.equal(cached, generate(model, prompt, max_new_tokens=24, temperature=0.0, use_cache=False))
+    cached = generate(model, TINY, prompt, max_new_tokens=24, temperature=0.0)  # 74 tokens: past seq_len=64
+    assert torch.equal(cached, generate(model, TINY, prompt, max_new_tokens=24, temperature=0.0, use_cache=False))
     seeded = [
-        generate(model, prompt, 8, generator=torch.Generator().manual_seed(3), use_cache=c) for c in (True, False)
+        generate(model, TINY, prompt, 8, generator=torch.Generator().manual_seed(3), use_cache=c) for c in (True, False)
     ]
     assert torch.equal(*seeded)
 
@@ -116,12 +118,45 @@ def test_mode_is_restored_and_bad_arguments_are_user_errors(loaded) -> None:
         draw(loaded, seed=0, top_k=-5)
 
 
+class Wrapped(torch.nn.Module):
+    """Stands in for DDP / FSDP / torch.compile: forwards calls, and has no `.config` of its own."""
+
+    def __init__(self, module: GPT) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_a_wrapped_model_samples_the_same_text(loaded) -> None:
+    """The config is passed in, so a prepared (wrapped) model needs no unwrapping by the caller."""
+    model, tokenizer = loaded
+    wrapped = Wrapped(model)
+    assert not hasattr(wrapped, "config")
+    args = ("Once upon a time", 12, 1.0, 50)
+    assert sample_texts(wrapped, TINY, tokenizer, *args, seed=5, device="cpu") == sample_texts(
+        model, TINY, tokenizer, *args, seed=5, device="cpu"
+    )
+
+
+def test_prompt_encoding_errors_are_user_errors() -> None:
+    chars = Tokenizer("char", "\n !abcdefghijklmnopqrstuvwxyz")
+    assert encode_prompt(chars, "hi!") == [10, 11, 2]
+    assert encode_prompt(Tokenizer("gpt2"), "") == [50256]
+    with pytest.raises(UserError, match="cannot encode the prompt: character 'H' is not in this char vocabulary"):
+        encode_prompt(chars, "Hi")
+    with pytest.raises(UserError, match="the prompt is empty and this tokenizer has no end-of-text token"):
+        encode_prompt(chars, "")
+
+
+@pytest.mark.slow
 def test_cli_prints_the_seeded_samples(checkpoint: Path, loaded) -> None:
     """Reproducible across processes: the CLI prints what the same seed gives in this process."""
     args = ["--prompt", "Hello there", "--max_new_tokens", "10", "--seed", "7", "--top_k", "20", "--device", "cpu"]
     proc = run_cmd(python_cmd("sample", "--checkpoint", str(checkpoint), *args, "--num_samples", "2"))
     model, tokenizer = loaded
-    texts = sample_texts(model, tokenizer, "Hello there", 10, 1.0, 20, seed=7, device="cpu", num_samples=2)
+    texts = sample_texts(model, TINY, tokenizer, "Hello there", 10, 1.0, 20, seed=7, device="cpu", num_samples=2)
     assert texts[0] != texts[1]  # two draws from one generator, not one draw twice
     expected = f"{texts[0]}\n{'-' * 40}\n{texts[1]}\n"
     assert proc.stdout == expected.replace("\r\n", "\n").replace("\r", "\n")  # text-mode pipes translate \r

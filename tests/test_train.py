@@ -1,4 +1,4 @@
-"""Trainer core: world-size invariance, exact gradients, per-rank data, loss falls, bad input.
+"""Trainer core: world-size invariance, exact gradients, per-rank data, HellaSwag in the loop, loss falls.
 
 Distributed runs are real `accelerate launch` processes on CPU (gloo); each asserts it formed a group
 of the expected size. Runs are shared between tests through session-scoped fixtures.
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import accelerate_cmd, python_cmd, run_cmd, write_token_shards
+from conftest import HELLASWAG, accelerate_cmd, python_cmd, run_cmd, write_token_shards
 from safetensors.torch import load_file
 
 from accel_gpt.data.loader import WindowSampler
@@ -60,6 +60,7 @@ def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", [("w1_a16", "w2_a8"), ("w1_a8", "w2_a4"), ("w1_a16", "w1_a8")])
 def test_world_size_invariance(invariance_runs: dict[str, Path], pair: tuple[str, str]) -> None:
     a, b = (invariance_runs[name] for name in pair)
@@ -75,6 +76,7 @@ def test_world_size_invariance(invariance_runs: dict[str, Path], pair: tuple[str
     assert diff < 1e-5, f"final weights differ by {diff}"
 
 
+@pytest.mark.slow
 def test_lr_schedule_is_warmup_then_cosine(invariance_runs: dict[str, Path]) -> None:
     lrs = [r["lr"] for r in _rows(invariance_runs["w2_a4"])]
     # warmup_steps=2: 1/2, 2/2 of 1e-3, then cosine from 1e-3 to 1e-4 (min_lr_ratio 0.1) over 4 steps
@@ -82,6 +84,7 @@ def test_lr_schedule_is_warmup_then_cosine(invariance_runs: dict[str, Path]) -> 
     assert lrs == pytest.approx([5e-4, 1e-3, *cosine], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_compiled_ddp_training_matches_eager(
     invariance_runs: dict[str, Path], small_vocab_data: Path, tmp_path: Path
 ) -> None:
@@ -112,6 +115,7 @@ def grad_run(tmp_path_factory: pytest.TempPathFactory, small_vocab_data: Path) -
     return out
 
 
+@pytest.mark.slow
 def test_each_rank_reads_only_its_windows(grad_run: Path, small_vocab_data: Path) -> None:
     """Rank r reads only micro-batches r, r+2, r+4, ... of the seeded stream (plus the one batch the
     loader fetches ahead); together the ranks read every window of the 3 global batches consumed."""
@@ -129,6 +133,7 @@ def test_each_rank_reads_only_its_windows(grad_run: Path, small_vocab_data: Path
     assert consumed <= read[0] | read[1]
 
 
+@pytest.mark.slow
 def test_accumulated_gradient_equals_full_batch_gradient(grad_run: Path, small_vocab_data: Path) -> None:
     """Adam hides a wrongly scaled gradient, so compare the synced gradient itself with one plain
     loss.backward() over the whole global batch of 8 sequences."""
@@ -149,6 +154,58 @@ def test_accumulated_gradient_equals_full_batch_gradient(grad_run: Path, small_v
         assert torch.allclose(synced[name], p.grad, atol=1e-6, rtol=0), name
 
 
+# ------------------------------------------------------------------------------------------ HellaSwag in the loop
+
+HELLASWAG_LIMIT = 10
+HELLASWAG_STEPS = [3, 5]  # every 3 steps, and the last step (5)
+
+
+@pytest.fixture(scope="module")
+def hellaswag_run(tmp_path_factory: pytest.TempPathFactory, shakespeare_shards: Path) -> dict:
+    """W=2 trains 5 steps of a tiny model with GPT-2's vocabulary (HellaSwag is scored with GPT-2's tokens),
+    scoring the first 10 HellaSwag rows every 3 steps and at the end, and saving at the same steps; then
+    `run.py eval` scores each of those checkpoints with the same rows and batch size."""
+    root = tmp_path_factory.mktemp("hellaswag")
+    out = root / "run"
+    args = ["train", "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--seq_len", "64", "--vocab_size", "50304"]
+    args += ["--micro_batch_size", "2", "--total_batch_size", "256", "--max_steps", "5", "--seed", "7"]
+    args += ["--learning_rate", "3e-3", "--warmup_steps", "1", "--eval_every", "0", "--sample_tokens", "0"]
+    args += ["--save_every", "3", "--keep_checkpoints", "0", "--log_every", "2", "--log_with", "none"]
+    args += ["--hellaswag", str(HELLASWAG), "--hellaswag_every", "3", "--hellaswag_limit", str(HELLASWAG_LIMIT)]
+    args += ["--data_dir", str(shakespeare_shards), "--out_dir", str(out)]
+    proc = run_cmd(accelerate_cmd(2, *args), timeout=600)
+    assert "2 process(es) on cpu" in proc.stderr, "the launch did not form one group of that size"
+    evals = {}
+    for step in HELLASWAG_STEPS:
+        ckpt = out / "checkpoints" / f"step_{step:08d}"
+        cmd = python_cmd("eval", "--checkpoint", str(ckpt), "--hellaswag", str(HELLASWAG))
+        eval_proc = run_cmd([*cmd, "--limit", str(HELLASWAG_LIMIT), "--batch_size", "2"], timeout=300)
+        evals[step] = json.loads(eval_proc.stdout.strip().splitlines()[-1])
+    return {"run": out, "stderr": proc.stderr, "evals": evals}
+
+
+@pytest.mark.slow
+def test_hellaswag_in_training_matches_run_eval_on_the_checkpoint(hellaswag_run: dict) -> None:
+    """The in-loop HellaSwag (DDP model, 2 ranks each scoring its share) gives the very accuracies that
+    `run.py eval` gives on the checkpoint saved at that step, on the rows of the due steps only."""
+    rows = _rows(hellaswag_run["run"])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows if "hellaswag_acc_norm" in r] == HELLASWAG_STEPS
+    assert [r["step"] for r in rows if "hellaswag_acc" in r] == HELLASWAG_STEPS
+    for r in rows:
+        if r["step"] not in HELLASWAG_STEPS:
+            continue
+        evaluated = hellaswag_run["evals"][r["step"]]
+        assert evaluated["total"] == HELLASWAG_LIMIT
+        assert (r["hellaswag_acc_norm"], r["hellaswag_acc"]) == (evaluated["acc_norm"], evaluated["acc"]), r
+        logged = f"HellaSwag at step {r['step']}: acc_norm {r['hellaswag_acc_norm']:.4f} on {HELLASWAG_LIMIT}"
+        assert logged in hellaswag_run["stderr"]
+
+
+# ------------------------------------------------------------------------------------------ learning
+
+
+@pytest.mark.slow
 def test_loss_falls_on_shakespeare(tmp_path: Path, shakespeare_shards: Path) -> None:
     out = tmp_path / "run"
     args = ["train", "--config", "tiny-cpu", "--data_dir", str(shakespeare_shards), "--out_dir", str(out)]

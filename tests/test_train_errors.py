@@ -3,20 +3,46 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import python_cmd, run_cmd, write_token_shards
 
 from accel_gpt.cli import main
+from accel_gpt.data.shards import tokenizer_fields, write_manifest
+from accel_gpt.tokenizer import Tokenizer
 
-TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--seq_len", "16", "--vocab_size", "512"]
+VOCAB = 512
+TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--seq_len", "16", "--vocab_size", str(VOCAB)]
 TINY += ["--micro_batch_size", "2", "--total_batch_size", "32", "--max_steps", "2", "--log_with", "none"]
+
+
+def small_vocab_shards(data_dir: Path, train: list[int], val: list[int] | None = None) -> Path:
+    """Shards of ids below VOCAB whose manifest names a tokenizer of exactly VOCAB ids (a manifest's vocab_size
+    must be its tokenizer's): a char vocabulary of VOCAB characters, whatever they are."""
+    write_token_shards(data_dir, train, val, vocab_size=VOCAB)
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    write_manifest(data_dir, manifest | tokenizer_fields(Tokenizer("char", "".join(map(chr, range(VOCAB))))))
+    return data_dir
+
+
+@pytest.fixture(autouse=True)
+def no_process_state_left(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`train` runs in this process and builds its Accelerator before reading the data: drop that state
+    afterwards (other tests start from none) and leave glibc's malloc settings, a training-speed tweak, alone."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.setattr("accel_gpt.runtime.keep_freed_memory", lambda: False)
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_token_shards(tmp_path_factory.mktemp("d") / "data", list(range(500)), list(range(100)), vocab_size=512)
+    return small_vocab_shards(tmp_path_factory.mktemp("d") / "data", list(range(500)), list(range(100)))
 
 
 def _fails(capsys: pytest.CaptureFixture, out: Path, *args: str) -> str:
@@ -67,7 +93,7 @@ def test_vocab_larger_than_model(capsys: pytest.CaptureFixture, tmp_path: Path, 
 
 
 def test_dtype_mismatch_and_truncated_shard(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    bad = write_token_shards(tmp_path / "bad", list(range(500)), vocab_size=512)
+    bad = small_vocab_shards(tmp_path / "bad", list(range(500)))
     manifest = json.loads((bad / "manifest.json").read_text())
     (bad / "manifest.json").write_text(json.dumps({**manifest, "dtype": "uint32"}))
     assert "dtype uint32 does not fit vocab_size 512" in _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(bad))
@@ -77,6 +103,7 @@ def test_dtype_mismatch_and_truncated_shard(capsys: pytest.CaptureFixture, tmp_p
     assert "truncated" in _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(bad))
 
 
+@pytest.mark.slow
 def test_cli_exit_has_no_traceback(tmp_path: Path) -> None:
     proc = run_cmd(python_cmd("train", *TINY, "--data_dir", str(tmp_path / "nope")), check=False, timeout=120)
     assert proc.returncode == 2
