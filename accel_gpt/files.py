@@ -7,13 +7,17 @@ and the rename made durable by an fsync of the folder. A reader sees the old fil
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from accel_gpt.errors import UserError
 
 TMP_MARK = ".tmp-"  # in the name of every temporary sibling: `.NAME.tmp-PID`
 
@@ -105,3 +109,32 @@ def remove_temporaries(folder: Path) -> list[Path]:
     for p in removed:
         remove(p)
     return removed
+
+
+LOCK = ".lock"
+
+
+@contextmanager
+def locked(folder: str | Path, what: str) -> Iterator[None]:
+    """Hold `folder/.lock` while `what` writes into `folder`; a second writer is refused in one line.
+
+    An flock on the file: the kernel releases it when the holder dies, so a dead holder's lock is simply
+    taken over. The file names the holder (pid and host) for the refusal message.
+    """
+    path = Path(folder) / LOCK
+    f = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            message = f"{folder} is in use by {holder} ({what} refused); wait for it or use another folder"
+            raise UserError(message) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        yield
+    finally:
+        f.close()
