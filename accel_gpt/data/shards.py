@@ -180,3 +180,12 @@ def open_split(data_dir: str | Path, manifest: dict[str, Any], split: str) -> li
         np.memmap(Path(data_dir) / e["file"], dtype=dtype, mode="r", shape=(e["tokens"],))
         for e in manifest["splits"][split]
     ]
+
+
+def max_token_id(data_dir: str | Path, manifest: dict[str, Any], split: str) -> int:
+    """The largest token id in a split: the manifest's record (`max_id` per shard, written by `prepare`), or,
+    for a manifest without it, read once from the shards."""
+    entries = manifest["splits"][split]
+    if all(isinstance(e.get("max_id"), int) for e in entries):
+        return max((e["max_id"] for e in entries), default=-1)
+    return max((int(a.max()) for a in open_split(data_dir, manifest, split) if a.size), default=-1)
