@@ -136,3 +136,48 @@ def test_activation_checkpointing_really_recomputes(monkeypatch: pytest.MonkeyPa
     with torch.no_grad():
         model.eval()(x)
     assert len(calls) == CFG.n_layer
+
+
+def loss_and_grads(model: GPT, x: torch.Tensor, y: torch.Tensor, bf16: bool) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        _, loss = model(x, y, return_logits=False)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])  # one row, uneven, even, more than all 64 rows
+def test_chunked_loss_equals_the_full_logits_path_in_fp32(chunk: int) -> None:
+    """The chunked LM head + cross-entropy is a memory trade only: the same loss and gradients."""
+    model = tiny_model().train()
+    x, y = batch()
+    loss, grads = loss_and_grads(model, x, y, bf16=False)
+    model.loss_chunk = chunk
+    chunked_loss, chunked_grads = loss_and_grads(model, x, y, bf16=False)
+    torch.testing.assert_close(chunked_loss, loss, rtol=0, atol=1e-6)
+    for name, grad in grads.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_chunked_loss_under_bf16_autocast_is_within_bf16_rounding() -> None:
+    """Under autocast both paths multiply in bf16 and reduce in fp32, so they differ only by bf16 rounding."""
+    model = tiny_model().train()
+    x, y = batch()
+    loss, grads = loss_and_grads(model, x, y, bf16=True)
+    model.loss_chunk = 10
+    chunked_loss, chunked_grads = loss_and_grads(model, x, y, bf16=True)
+    assert chunked_loss.dtype == torch.float32
+    torch.testing.assert_close(chunked_loss, loss, rtol=1e-3, atol=1e-3)
+    for name, grad in grads.items():
+        scale = grad.abs().max().item()
+        assert (chunked_grads[name] - grad).abs().max().item() <= 2e-2 * scale, name
+
+
+def test_chunked_loss_is_used_only_for_training() -> None:
+    """Evaluation and generation ask for logits: they take the plain path whatever loss_chunk is."""
+    model = tiny_model().eval()
+    model.loss_chunk = 8
+    x, y = batch()
+    logits, loss = model(x, y)
+    assert logits.shape == (4, CFG.seq_len, VOCAB) and loss is not None

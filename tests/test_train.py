@@ -106,6 +106,25 @@ def test_compiled_ddp_training_matches_eager(
     assert max((we[k] - wc[k]).abs().max().item() for k in we) < 1e-4
 
 
+@pytest.mark.slow
+def test_chunked_loss_ddp_training_matches_the_full_logits_path(
+    invariance_runs: dict[str, Path], small_vocab_data: Path, tmp_path: Path
+) -> None:
+    """`--loss_chunk` (the LM head + loss a few rows at a time, gradients computed in forward) under DDP takes the
+    same steps as the plain path: its gradients reach the tied embedding and are synced like any other."""
+    out = tmp_path / "chunked"
+    args = ["train", *COMMON, "--data_dir", str(small_vocab_data), "--out_dir", str(out), "--loss_chunk", "5"]
+    args += ["--micro_batch_size", "2", "--total_batch_size", "256"]
+    proc = run_cmd(accelerate_cmd(2, *args), timeout=300)
+    assert "2 process(es) on cpu" in proc.stderr
+    plain, chunked = _rows(invariance_runs["w2_a4"]), _rows(out)
+    for rp, rc in zip(plain, chunked, strict=True):
+        assert abs(rp["loss"] - rc["loss"]) < 1e-5, (rp, rc)
+        assert abs(rp["grad_norm"] - rc["grad_norm"]) <= 1e-4 * rp["grad_norm"], (rp, rc)
+    wp, wc = load_file(str(invariance_runs["w2_a4"] / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert max((wp[k] - wc[k]).abs().max().item() for k in wp) < 1e-5
+
+
 @pytest.fixture(scope="session")
 def grad_run(tmp_path_factory: pytest.TempPathFactory, small_vocab_data: Path) -> Path:
     out = tmp_path_factory.mktemp("grad")
