@@ -5,11 +5,12 @@
 # (PYTHONPATH is this checkout) and no files of ours: the tiktoken files, the HellaSwag rows and a text to
 # train on travel in the git-ignored .carry/ folder.
 #
-#   bash bench/gpu_session.sh carry HELLASWAG_JSONL [TEXT]   # here, once: $TIKTOKEN_CACHE_DIR and the files -> .carry/
+#   bash bench/gpu_session.sh carry HELLASWAG_JSONL TEXT PEERS   # here, once: $TIKTOKEN_CACHE_DIR and files -> .carry/
 #   bash bench/gpu_session.sh 1                              # there (device run, carry [".carry"]); then 2, then 3
 #   DRY_RUN=1 OUT=/tmp/dry bash bench/gpu_session.sh 1       # rehearsal on a CPU: the same commands at tiny sizes
 #
-#   1  GPT-2 124M, accel_gpt against the plain loop with compile on; the largest micro-batch for 124M; compile off
+#   1  GPT-2 124M against llm.c's PyTorch trainer and nanoGPT (bench/peers.py; PEERS is a folder holding them,
+#      not part of this repo), same tokens; the largest micro-batch for 124M; the chunked loss's memory
 #   2  HellaSwag over all 10,042 rows (124M shapes, bf16); generation speed; the largest micro-batch for 350M, 774M
 #   3  end to end in bf16: train 124M, SIGKILL it after its first checkpoint, resume to the end; eval, sample, export
 #
@@ -18,7 +19,7 @@
 # under 600 s. Output goes to $OUT/phaseN.log as it comes (the device tool brings $OUT back, after a timeout too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash bench/gpu_session.sh carry HELLASWAG_JSONL [TEXT] | 1 | 2 | 3}
+phase=${1:?usage: bash bench/gpu_session.sh carry HELLASWAG_JSONL TEXT PEERS | 1 | 2 | 3}
 
 if [ "$phase" = carry ]; then
     hellaswag_src=${2:?carry needs the HellaSwag validation jsonl (10,042 rows)}
@@ -27,6 +28,7 @@ if [ "$phase" = carry ]; then
     cp -r "$TIKTOKEN_CACHE_DIR" .carry/tiktoken_cache
     cp "$hellaswag_src" .carry/data/hellaswag_val.jsonl
     if [ -n "${3:-}" ]; then cp "$3" .carry/data/text.txt; fi
+    if [ -n "${4:-}" ]; then cp -r "$4" .carry/peers; fi
     du -sh .carry
     exit 0
 fi
@@ -45,13 +47,15 @@ launch=("$PY" -m accelerate.commands.launch --config_file accelerate_configs/sin
 
 if [ -n "${DRY_RUN:-}" ]; then  # the same commands at sizes a CPU runs in seconds
     quick=(--pairs 1 --warmup 1 --steps 2)
+    peers=(--steps 3 --warmup 1 --sides accel_gpt,llmc,nanogpt)
+    rows=(--rows 2048)
     tiny=(--flags "--n_layer 1 --n_head 1 --n_embd 16 --seq_len 16")
     model=(--model tiny-cpu)
     e2e=(--n_layer 2 --n_head 4 --n_embd 64 --seq_len 64 --micro_batch_size 4 --total_batch_size 256 --compile false
         --eval_steps 2 --hellaswag_limit 20)
     limit=(--limit 20)
 else
-    quick=() tiny=() model=() e2e=() limit=()
+    quick=() tiny=() model=() e2e=() limit=() peers=() rows=(--rows 65536 --dtype bf16)
 fi
 
 step() {  # step SECONDS COMMAND...: one command under its own limit, its output appended to the log as it comes
@@ -69,9 +73,11 @@ case $phase in
 print('torch', torch.__version__, 'accelerate', accelerate.__version__, 'transformers', transformers.__version__)
 print('datasets importable:', importlib.util.find_spec('datasets') is not None)
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
-    step 330 "$PY" bench/train_throughput.py --compile on "${quick[@]}"
+    data=$("$PY" bench/benchlib.py --text "$text")  # GPT-2 tokens written with tiktoken alone (no `datasets`)
+    step 340 "$PY" bench/peers.py --peers .carry/peers --data_dir "$data" --out "$out/peers.jsonl" --timeout 105 \
+        "${peers[@]}"
     step 130 "$PY" bench/train_throughput.py --find_max_batch 124m "${tiny[@]}"
-    step 100 "$PY" bench/train_throughput.py --compile off --pairs 1 "${quick[@]}"
+    step 60 "$PY" bench/loss_memory.py "${rows[@]}"
     ;;
 2)
     step 120 "$PY" bench/generate_throughput.py --what hellaswag --hellaswag "$hellaswag" --batch_sizes 16,64 \
