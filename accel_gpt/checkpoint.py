@@ -8,7 +8,22 @@ A save goes into a hidden `.tmp-step_XXXXXXXX/` folder. Once every rank has writ
 process fsyncs it, writes `COMPLETE` and renames it into place; a folder is deleted by first renaming it to
 a hidden `.trash-` name. So a crash at any moment leaves each `step_*` folder either complete or absent
 (plus hidden leftovers that the next save removes), and the previous checkpoint is always intact. Readers
-trust only folders with `COMPLETE`.
+trust only folders whose `COMPLETE` is readable: a truncated or garbled marker vouches for nothing, so its folder
+counts as incomplete (skipped by `auto` and by pruning, with a warning).
+
+Lines of a run. `--resume auto` takes the newest complete checkpoint, so the folder must hold one line of training.
+Resuming from step k *by path* starts a new line from k (a rollback, e.g. past a loss spike, or with other
+settings); the checkpoints after k belong to the abandoned line, and a later `auto` would go back to them. So the
+resumed run retires them before it writes anything: they are moved, not deleted, into
+`checkpoints/retired-<UTC time>/` with a copy of metrics.jsonl (the rows of the abandoned line), and the log says
+so. The final weights in the run directory go there too when they are from after k. `auto`, pruning and readers
+see only `checkpoints/step_*`.
+
+What a resume must share with its checkpoint: the model's shape, the global batch and seed (`RESUME_FIELDS`), and
+the data (`TrainState.data`: tokenizer, vocabulary and a fingerprint of the training shards). Other data is
+refused, naming `--init_from` (which starts a new run from a checkpoint's weights). The optimizer's settings
+(learning_rate, weight_decay, betas) may change: they are applied after `load_state` (the learning rate by
+`optim.StepSchedule`, the others here) and each change is logged, so the run uses the values config.yaml records.
 
 The weights are saved under the unwrapped model's keys whatever the world size (Accelerate keeps the
 module it was given, not the DDP wrapper, in the list it saves), so a checkpoint written by W processes
@@ -17,21 +32,25 @@ resumes under any W' with the same `total_batch_size`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.errors import UserError
-from accel_gpt.files import atomic_write_json, fsync_tree, publish
-from accel_gpt.weights import ModelCard, write_model_config
+from accel_gpt.files import atomic_write_json, fsync_dir, fsync_tree, publish
+from accel_gpt.tokenizer import Tokenizer
+from accel_gpt.weights import MODEL_CONFIG, WEIGHTS, ModelCard, read_model_config, write_model_config
 from accel_gpt.workarounds import check_pickles_are_safe, drop_tied_head, first_line, reset_micro_step
 
 logger = get_logger(__name__)
@@ -40,10 +59,15 @@ CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 TMP_PREFIX = ".tmp-"  # a save in progress (or killed mid-way)
 TRASH_PREFIX = ".trash-"  # a checkpoint being deleted
+RETIRED_PREFIX = "retired-"  # checkpoints of an abandoned line (after a rollback by path)
 TRAIN_STATE_FILE = "custom_checkpoint_0.pkl"  # Accelerate's name for the first registered object
 # Fields that a resumed run must share with its checkpoint: the model's shape, the global batch (it fixes how
 # far the data stream advances per step) and the seed (it fixes the data order).
 RESUME_FIELDS = (*MODEL_FIELDS, "total_batch_size", "seed")
+# Settings a resume may change; each change is logged. The optimizer's are re-applied after `load_state`, which
+# restores the saved ones; the schedule's and grad_clip are read from the config at every step anyway.
+CHANGEABLE_FIELDS = ("learning_rate", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "min_lr_ratio")
+CHANGEABLE_FIELDS += ("lr_schedule", "schedule_steps", "decay_fraction", "max_steps")
 
 
 @dataclass
@@ -59,6 +83,7 @@ class TrainState:
     data_position: int = 0  # training windows consumed from the seeded stream
     last_val_loss: float = math.nan
     config: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)  # `data_identity` of the training data
 
     def advance(self, cfg: TrainConfig) -> None:
         """One optimizer step done: the position in the window stream follows from the global batch."""
@@ -73,6 +98,7 @@ class TrainState:
             "data_position": self.data_position,
             "last_val_loss": self.last_val_loss,
             "config_json": json.dumps(self.config),
+            "data_json": json.dumps(self.data),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -81,10 +107,27 @@ class TrainState:
         self.data_position = int(sd["data_position"])
         self.last_val_loss = float(sd["last_val_loss"])
         self.config = json.loads(sd["config_json"])
+        self.data = json.loads(sd.get("data_json", "{}"))  # {} in checkpoints from before it was recorded
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def data_identity(manifests: list[dict[str, Any]], weights: list[float]) -> dict[str, Any]:
+    """What a run trains on: the tokenizer, its vocabulary, and a sha256 over each source's training shard entries
+    (file, tokens, sha256) and the mixture's weights: together they fix the stream of windows.
+
+    The entries are hashed in manifest order, not sorted: that order fixes which tokens a window index names, so
+    the same shards listed in another order are another stream.
+    """
+    entries = [[[e["file"], e["tokens"], e["sha256"]] for e in m["splits"]["train"]] for m in manifests]
+    fingerprint = json.dumps({"train": entries, "weights": weights} if len(manifests) > 1 else entries[0])
+    return {
+        "tokenizer": manifests[0]["tokenizer"],
+        "vocab_size": manifests[0]["vocab_size"],
+        "train_shards_sha256": hashlib.sha256(fingerprint.encode()).hexdigest(),
+    }
 
 
 class Checkpointer:
@@ -97,6 +140,7 @@ class Checkpointer:
         self.accelerator, self.card, self.state = accelerator, card, state
         self.out_dir, self.every = Path(cfg.out_dir), cfg.save_every
         self.keep, self.keep_best = cfg.keep_checkpoints, cfg.keep_best
+        self.rollback_from: int | None = None  # the step of a checkpoint resumed by path: a new line starts there
         accelerator.register_for_checkpointing(state)
 
     def due(self, step: int, last: bool, stopping: bool = False) -> bool:
@@ -135,23 +179,43 @@ class Checkpointer:
         self.accelerator.wait_for_everyone()
         return final
 
-    def resume(self, resume: str) -> None:
-        """Restore the checkpoint `resume` names into every registered object on every rank (or start at 0)."""
+    def resume(self, resume: str, optimizer: torch.optim.Optimizer) -> None:
+        """Restore the checkpoint `resume` names into every registered object on every rank (or start at 0).
+
+        Everything is checked before anything is restored; then the optimizer gets this run's settings back."""
         path = find_resume_checkpoint(resume, self.out_dir)
         if path is None:
             if resume == "auto":
                 logger.info("resume: auto found no complete checkpoint; starting from step 0")
             return
         check_pickles_are_safe(path)
-        check_resume_config(saved_state(path).config, self.state.config, path)
-        config = self.state.config
+        saved = saved_state(path)
+        check_resume_config(saved.config, self.state.config, path)
+        check_same_data(path, saved.data, self.state.data, self.card)
+        config, data = self.state.config, self.state.data
         try:
             self.accelerator.load_state(str(path))
         except Exception as e:
             raise UserError(f"cannot load checkpoint {path}: {first_line(e)}") from None
         reset_micro_step(self.accelerator)
-        self.state.config = config  # the run goes on under the config it was started with now
+        self.state.config, self.state.data = config, data  # the run goes on under the config it was started with now
+        apply_optimizer_settings(optimizer, config)
+        for name in changed_settings(saved.config, config):
+            logger.info(f"resume: {name} {saved.config[name]} -> {config[name]}")
+        if resume != "auto":
+            self.rollback_from = self.state.step
         logger.info(f"resumed from {path} at step {self.state.step}")
+
+    def retire_later_line(self) -> None:
+        """After a resume by path from step k: move the checkpoints after k aside (main process; see the module)."""
+        if self.rollback_from is not None and self.accelerator.is_main_process:
+            retired = retire_after(self.out_dir, self.rollback_from)
+            if retired:
+                logger.info(
+                    f"resumed by path from step {self.rollback_from}: moved the later {', '.join(retired[1:])} of the "
+                    f"abandoned line to {retired[0]} (nothing deleted); --resume auto now follows this run"
+                )
+        self.accelerator.wait_for_everyone()
 
 
 def _remove(path: Path) -> None:
@@ -169,15 +233,28 @@ def _remove_leftovers(root: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def read_marker(checkpoint: Path) -> dict[str, Any] | None:
+    """The `COMPLETE` marker of a checkpoint folder, or None when it is missing or unreadable (truncated, garbled):
+    such a folder is incomplete, as nothing vouches for it."""
+    try:
+        marker = json.loads((Path(checkpoint) / COMPLETE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("step"), int) else None
+
+
 def complete_checkpoints(out_dir: str | Path, warn: bool = False) -> list[Path]:
-    """Complete checkpoints, oldest first; with `warn`, say which `step_*` folders are skipped as incomplete."""
+    """Complete checkpoints, oldest first. A folder whose marker exists but is unreadable is always named (it is
+    not what a crash leaves); with `warn`, also the folders without a marker."""
     root = Path(out_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
     done = []
     for p in sorted(root.glob("step_*")):
-        if (p / COMPLETE).is_file():
+        if read_marker(p) is not None:
             done.append(p)
+        elif (p / COMPLETE).exists():
+            logger.warning(f"skipping checkpoint {p}: its {COMPLETE} marker is unreadable, so it counts as incomplete")
         elif warn:
             logger.warning(f"skipping incomplete checkpoint {p} (no {COMPLETE} marker: its save did not finish)")
     return done
@@ -185,12 +262,12 @@ def complete_checkpoints(out_dir: str | Path, warn: bool = False) -> list[Path]:
 
 def prune(out_dir: str | Path, keep: int, keep_best: bool) -> None:
     """Delete all but the newest `keep` complete checkpoints (0 keeps all), and with `keep_best` also keep the
-    one whose own weights had the lowest validation loss."""
+    one whose own weights had the lowest validation loss (a marker without a finite one is unscored)."""
     done = complete_checkpoints(out_dir)
     keepers = set(done[-keep:]) if keep > 0 else set(done)
     if keep_best:
-        scored = [(json.loads((p / COMPLETE).read_text()).get("val_loss"), p) for p in done]
-        scored = [(v, p) for v, p in scored if v is not None and not math.isnan(v)]
+        scored = [(_val_loss(p), p) for p in done]
+        scored = [(v, p) for v, p in scored if v is not None]
         if scored:
             keepers.add(min(scored)[1])
     for p in done:
@@ -198,26 +275,78 @@ def prune(out_dir: str | Path, keep: int, keep_best: bool) -> None:
             _remove(p)
 
 
+def _val_loss(checkpoint: Path) -> float | None:
+    value = (read_marker(checkpoint) or {}).get("val_loss")
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def retire_after(out_dir: str | Path, step: int) -> list[str]:
+    """Move the `step_*` folders after `step` (complete or not), and final weights from after it, into a new
+    `checkpoints/retired-<UTC time>/` with a copy of metrics.jsonl. Returns [that folder, what moved...] or []."""
+    out_dir = Path(out_dir)
+    root = out_dir / CHECKPOINTS
+    later = [p for p in sorted(root.glob("step_*")) if _step_of(p) > step] if root.is_dir() else []
+    final = _final_step(out_dir)
+    if not later and (final is None or final <= step):
+        return []
+    folder = root / f"{RETIRED_PREFIX}{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    while folder.exists():
+        folder = folder.with_name(folder.name + "_")
+    folder.mkdir(parents=True)
+    moved = [folder.name]
+    for p in later:
+        os.replace(p, folder / p.name)
+        moved.append(p.name)
+    if final is not None and final > step:
+        for name in (WEIGHTS, MODEL_CONFIG):
+            if (out_dir / name).exists():
+                os.replace(out_dir / name, folder / name)
+        moved.append(f"final weights (step {final})")
+    if (out_dir / "metrics.jsonl").is_file():
+        shutil.copy2(out_dir / "metrics.jsonl", folder / "metrics.jsonl")
+    fsync_tree(folder)
+    fsync_dir(root)
+    fsync_dir(out_dir)
+    moved[0] = str(folder)
+    return moved
+
+
+def _step_of(checkpoint: Path) -> int:
+    try:
+        return int(checkpoint.name.removeprefix("step_"))
+    except ValueError:
+        return -1
+
+
+def _final_step(out_dir: Path) -> int | None:
+    """The step of the final weights in a run directory, or None when there are none (or they say no step)."""
+    if not (out_dir / MODEL_CONFIG).is_file():
+        return None
+    try:
+        return read_model_config(out_dir).step
+    except UserError:
+        return None
+
+
 def find_resume_checkpoint(resume: str, out_dir: str | Path) -> Path | None:
     """`auto` -> the newest complete checkpoint or None; a path -> that complete checkpoint; `none` -> None.
 
-    `none` refuses an out_dir that already holds checkpoints: the new run's saves would mix with the old run's,
-    pruning would keep whichever has the higher step, and a later `auto` would resume the wrong run.
+    (`none` in a folder that holds another run is refused earlier, by `rundir.RunDir`, before anything is built.)
     """
-    if resume in ("auto", "none"):
-        done = complete_checkpoints(out_dir, warn=True)
-        if resume == "auto":
-            return done[-1] if done else None
-        if done:
-            raise UserError(
-                f"out_dir {out_dir} already holds checkpoints of an earlier run (newest {done[-1].name}); "
-                "pass --resume auto to continue it, or use a new out_dir"
-            )
+    if resume == "none":
         return None
+    if resume == "auto":
+        done = complete_checkpoints(out_dir, warn=True)
+        return done[-1] if done else None
     path = Path(resume)
     if not path.is_dir():
         raise UserError(f"resume checkpoint '{resume}' does not exist; expected auto, none or a checkpoint folder")
-    if not (path / COMPLETE).is_file():
+    if read_marker(path) is None:
+        if (path / COMPLETE).exists():
+            raise UserError(
+                f"resume checkpoint '{resume}' has an unreadable {COMPLETE} marker: it counts as incomplete"
+            )
         if (path / CHECKPOINTS).is_dir():
             raise UserError(
                 f"resume '{resume}' is a run directory, not a checkpoint: pass {path / CHECKPOINTS}/step_XXXXXXXX, "
@@ -234,6 +363,50 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Pa
                 f"cannot resume from {path}: {name} was {saved[name]} there but is {current[name]} now "
                 f"(it changes the model shape or the data order); use the checkpoint's value or a new out_dir"
             )
+
+
+def check_same_data(path: Path, saved: dict[str, Any], current: dict[str, Any], card: ModelCard) -> None:
+    """A resume continues the data stream it was saved in: other data (or tokenizer) is refused, naming init_from.
+
+    Checkpoints from before the data was recorded carry no identity; their tokenizer is still compared, so that
+    the next save cannot write another tokenizer into their model_config.json."""
+    hint = f"to continue training its weights on this data, start a new run with --init_from {path}"
+    for key in ("tokenizer", "vocab_size", "train_shards_sha256"):
+        if key in saved and saved[key] != current.get(key):
+            raise UserError(
+                f"cannot resume from {path}: it was trained on other data ({key} {saved[key]} there, "
+                f"{current.get(key)} now); {hint}"
+            )
+    if (path / MODEL_CONFIG).is_file():
+        tokenizer = read_model_config(path).tokenizer
+        if tokenizer != card.tokenizer:
+            raise UserError(f"cannot resume from {path}: {tokenizer_mismatch(tokenizer, card.tokenizer)}; {hint}")
+
+
+def tokenizer_mismatch(weights: Tokenizer, data: Tokenizer) -> str:
+    """Why weights trained with `weights` cannot train on data of `data` (two different tokenizers), in words."""
+    if weights.name == data.name:
+        return f"its {weights.name} vocabulary ({weights.vocab_size} ids) is not the data's ({data.vocab_size} ids)"
+    return (
+        f"its tokenizer is {weights.name} ({weights.vocab_size} ids) but the data's is {data.name} ({data.vocab_size})"
+    )
+
+
+def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The CHANGEABLE_FIELDS whose value differs from the checkpoint's config (absent ones are not compared)."""
+    return [name for name in CHANGEABLE_FIELDS if name in saved and name in current and saved[name] != current[name]]
+
+
+def apply_optimizer_settings(optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> None:
+    """After `load_state`: the optimizer restored the saved betas and weight decay; give it this run's.
+
+    The decayed group is the one of matrices (`optim.param_groups` decays >= 2-D parameters only). The same values
+    are written back when nothing changed, so an unchanged resume stays bit-identical. The learning rate is the
+    schedule's (`optim.StepSchedule` recomputes it from this run's config)."""
+    for group in optimizer.param_groups:
+        group["betas"] = (config["beta1"], config["beta2"])
+        if group["params"] and all(p.dim() >= 2 for p in group["params"]):
+            group["weight_decay"] = config["weight_decay"]
 
 
 def saved_state(path: Path) -> TrainState:

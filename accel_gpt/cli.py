@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import typing
 from dataclasses import MISSING, dataclass, fields
@@ -95,8 +96,15 @@ def main(argv: list[str] | None = None) -> None:
         module, function = COMMANDS[name].run.split(":")
         getattr(importlib.import_module(module), function)(cfg)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if is_main_rank():  # every rank meets the same bad input: say it once
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def is_main_rank() -> bool:
+    """Rank 0 of a launch (RANK, set by torchrun) or a process started alone, read without building any state."""
+    rank = os.environ.get("RANK", "0")
+    return not rank.isdigit() or int(rank) == 0
 
 
 def parse(argv: list[str]) -> tuple[str, Config]:

@@ -197,14 +197,19 @@ def at_least(cfg: Config, minimum: float, *names: str) -> None:
 MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")
 # torch.compile's modes; the CUDA-graph ones replay whole steps, which pays off where launches bound a step.
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+LRSchedule = Literal["cosine", "wsd", "linear", "constant"]
 
 
 @dataclass
 class TrainConfig(Config):
     command: ClassVar[str] = "train"
     # data and outputs
-    data_dir: str = option("", "token shards + manifest.json written by `run.py prepare`; must be set")
+    data_dir: str = option("", "folder(s) written by `run.py prepare`; several, comma-separated, make a mixture")
     out_dir: str = option("runs/gpt2", "run directory: config.yaml, metrics.jsonl, checkpoints/, final weights")
+    data_weights: str = option("", "mixture: comma-separated sampling weights, one per data_dir folder (default equal)")
+    verify_data: Literal["auto", "full"] = option(
+        "auto", "shard checks at start: auto (sizes; sha256 of new or changed shards only) | full (sha256 of all)"
+    )
     # model (defaults: GPT-2 124M)
     n_layer: int = option(12, "transformer blocks")
     n_head: int = option(12, "attention heads per block")
@@ -216,8 +221,11 @@ class TrainConfig(Config):
     micro_batch_size: int = option(16, "sequences per process per forward pass")
     max_steps: int = option(19_073, "optimizer steps to train (10B tokens / 524,288 per step)")
     learning_rate: float = option(6e-4, "peak learning rate, reached after warmup_steps")
-    min_lr_ratio: float = option(0.1, "the cosine decays to min_lr_ratio * learning_rate at max_steps")
+    min_lr_ratio: float = option(0.1, "the floor: the schedule reaches min_lr_ratio * learning_rate at its horizon")
     warmup_steps: int = option(715, "steps of linear warm-up from 0")
+    lr_schedule: LRSchedule = option("cosine", "cosine | wsd (stable, then linear decay) | linear | constant")
+    schedule_steps: int = option(0, "the schedule's horizon (0 = max_steps); past it the rate stays at the floor")
+    decay_fraction: float = option(0.2, "wsd: the last decay_fraction of the horizon decays linearly to the floor")
     weight_decay: float = option(0.1, "AdamW decoupled weight decay on matrices and embeddings")
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = no clipping)")
     beta1: float = option(0.9, "AdamW beta1")
@@ -236,11 +244,15 @@ class TrainConfig(Config):
     keep_checkpoints: int = option(2, "keep the newest N checkpoints (0 = all)")
     keep_best: bool = option(False, "also keep the checkpoint with the lowest validation loss")
     resume: str = option("none", "none | auto (the newest complete checkpoint in out_dir) | a checkpoint folder")
-    init_from: str = option("none", "none | a transformers GPT-2 folder or hub id to start from")
+    init_from: str = option(
+        "none", "none | weights to start a new run from: an accel_gpt run dir or checkpoint, or a transformers GPT-2"
+    )
+    overwrite: bool = option(False, "start a new run in an out_dir that holds another run's files (they are replaced)")
     # runtime
     compile: bool = option(False, "torch.compile the model")
     compile_mode: CompileMode = option("default", "torch.compile mode")
     activation_checkpointing: bool = option(False, "recompute each block in backward: less memory, ~30% more compute")
+    loss_chunk: int = option(0, "rows of LM-head logits per chunk of the training loss (0 = all at once): less memory")
     num_workers: int = option(0, "DataLoader worker processes per process")
     log_every: int = option(1, "steps between host syncs for logging; every step still gets a metrics row")
     log_with: str = option("auto", "trackers: auto (TensorBoard if installed) | none | tensorboard | wandb | ...")
@@ -250,11 +262,16 @@ class TrainConfig(Config):
         at_least(self, 1, "micro_batch_size", "max_steps", "log_every")
         at_least(self, 0, "warmup_steps", "eval_every", "eval_steps", "hellaswag_every", "hellaswag_limit")
         at_least(self, 0, "sample_tokens", "save_every", "keep_checkpoints", "num_workers", "weight_decay")
-        at_least(self, 0, "grad_clip")
+        at_least(self, 0, "grad_clip", "loss_chunk", "schedule_steps")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(f"decay_fraction={self.decay_fraction} must be in (0, 1]")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if not self.data_dir:
             raise ConfigError("data_dir is required: pass --data_dir DIR (a folder written by `run.py prepare`)")
+        if len(set(self.data_dirs)) != len(self.data_dirs):
+            raise ConfigError(f"data_dir={self.data_dir!r} names a folder twice; weigh it with data_weights instead")
+        self.source_weights()  # one positive weight per data_dir folder
         if self.learning_rate <= 0:
             raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -271,8 +288,30 @@ class TrainConfig(Config):
             )
         if self.eval_every and not self.eval_steps:
             raise ConfigError("eval_steps=0 leaves nothing to evaluate; set eval_steps >= 1 or eval_every 0")
+        if self.overwrite and self.resume != "none":
+            raise ConfigError(f"overwrite=true starts a new run; it cannot resume ({self.resume}): drop one of them")
         if self.hellaswag_every and not self.hellaswag:
             raise ConfigError("hellaswag_every > 0 needs --hellaswag SRC (a jsonl path/URL or hub id)")
+
+    @property
+    def data_dirs(self) -> list[str]:
+        """The folders of `data_dir`: one, or several for a mixture."""
+        return [d.strip() for d in self.data_dir.split(",") if d.strip()]
+
+    def source_weights(self) -> list[float]:
+        """`data_weights` as numbers normalised to sum 1, one per folder of `data_dir` (equal when unset)."""
+        n = len(self.data_dirs)
+        if not self.data_weights.strip():
+            return [1.0 / n] * n
+        try:
+            weights = [float(w) for w in self.data_weights.split(",")]
+        except ValueError:
+            raise ConfigError(f"data_weights={self.data_weights!r} must be comma-separated numbers") from None
+        if len(weights) != n:
+            raise ConfigError(f"data_weights has {len(weights)} weight(s) but data_dir names {n} folder(s)")
+        if not all(math.isfinite(w) and w > 0 for w in weights):
+            raise ConfigError(f"data_weights={self.data_weights!r} must all be > 0 (leave a folder out instead of 0)")
+        return [w / sum(weights) for w in weights]
 
     @property
     def windows_per_step(self) -> int:

@@ -10,6 +10,7 @@ and renamed into place, so a failure leaves no half-written export and `out_dir`
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from accel_gpt.config import ExportConfig
@@ -27,6 +28,7 @@ def export(path: str | Path, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out_dir {out} already exists and is not an empty folder; choose a new or empty one")
+    check_writable(out)
     model, card = load_model(path)
     if card.tokenizer.name != "gpt2":
         raise UserError(
@@ -45,16 +47,28 @@ def export(path: str | Path, out_dir: str | Path) -> Path:
     # byte-level BPE with <|endoftext|> as bos/eos/unk, as GPT-2's own tokenizer
     tokenizer = GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=card.model.seq_len)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with replacing(out) as stage:
-        stage.mkdir()
-        hf_model.save_pretrained(stage)
-        tokenizer.save_pretrained(stage)
-        (stage / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-        lines = ["#version: 0.2", *(f"{a} {b}" for a, b in merges)]
-        (stage / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-        make_shareable(stage)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with replacing(out) as stage:
+            stage.mkdir()
+            hf_model.save_pretrained(stage)
+            tokenizer.save_pretrained(stage)
+            (stage / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+            lines = ["#version: 0.2", *(f"{a} {b}" for a, b in merges)]
+            (stage / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+            make_shareable(stage)
+    except OSError as e:  # a full or read-only disk; the staging folder is already gone (see `replacing`)
+        raise UserError(f"cannot write the export to {out}: {e.strerror or e}") from None
     return out
+
+
+def check_writable(out: Path) -> None:
+    """The export is staged beside `out` and renamed into place, so the nearest existing folder above it must be
+    writable: said before the model is loaded and converted, and before any folder is made."""
+    folder = next(p for p in out.absolute().parents if p.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        reason = "not a folder" if not folder.is_dir() else "not writable (read-only or no permission)"
+        raise UserError(f"cannot write the export to {out}: {folder} is {reason}")
 
 
 def run_export(cfg: ExportConfig) -> None:

@@ -103,11 +103,28 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     return ids
 
 
+def usable_device(name: str) -> torch.device:
+    """`--device` parsed and tried before the model loads: a misspelt name or a device this machine lacks (cuda
+    without a GPU or a CUDA build) is one line, not torch's assertion from deep inside `.to()`."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {name!r} is not a device name (cpu, cuda, cuda:1, mps, ...)") from None
+    if device.type == "meta":
+        raise UserError("--device meta holds no weights to sample with; use cpu or an accelerator")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(f"--device {name} cannot be used here: {first.split('. ')[0]}") from None
+    return device
+
+
 def run_sample(cfg: SampleConfig) -> None:
     """`run.py sample`: print `num_samples` continuations, separated by a line of dashes."""
     from accel_gpt.weights import load_model
 
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = usable_device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, card = load_model(cfg.checkpoint, device)
     texts = sample_texts(
         model,

@@ -10,6 +10,9 @@ tokenizes with), so a transformers tokenizer built from them gives tiktoken's id
 
 from __future__ import annotations
 
+import difflib
+import json
+import pickle
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +29,8 @@ if TYPE_CHECKING:
 # Weights that transformers keeps in Conv1D layout (in, out); nn.Linear keeps (out, in).
 _CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _WTE = "transformer.wte.weight"
+_SAFETENSORS = "model.safetensors"
+_PICKLED = "pytorch_model.bin"
 _LM_HEAD = "lm_head.weight"  # tied to wte on both sides: copied once, through wte
 # GELU with the tanh approximation under its two transformers names; "gelu" (exact erf) would differ.
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
@@ -164,13 +169,65 @@ def load_transformers_gpt2(path_or_id: str, vocab_size: int | None = None) -> GP
     try:
         hf_config = AutoConfig.from_pretrained(path_or_id)
         _gpt_config(hf_config)  # refuse other architectures before reading their weights
+        check_pickled_weights(Path(path_or_id))
         hf_model = GPT2LMHeadModel.from_pretrained(path_or_id, config=hf_config, dtype=torch.float32)
     except UserError:
         raise
     except Exception as e:  # missing folder/id (OSError), corrupt safetensors, bad config.json (ValueError), ...
-        where = "" if Path(path_or_id).exists() else "not a local folder; as a hub id: "
-        raise UserError(f"cannot load transformers GPT-2 '{path_or_id}': {where}{_first_line(e)}") from None
+        raise UserError(_load_error(path_or_id, e)) from None
     return from_transformers(hf_model, vocab_size)
+
+
+def check_pickled_weights(folder: Path) -> None:
+    """A local folder whose weights are pickles (`pytorch_model.bin` or its shards, no safetensors) is checked before
+    transformers reads it: a pickle can name any code to run. transformers loads with `weights_only=True` and so
+    refuses too, but its message invites a retry with `weights_only=False`; this says what was refused and why.
+    Only the files transformers would load are checked (a `training_args.bin` beside them is never unpickled)."""
+    if not folder.is_dir() or any(folder.glob("*.safetensors")) or (folder / f"{_SAFETENSORS}.index.json").is_file():
+        return  # transformers prefers safetensors and never opens the pickles then
+    index = folder / f"{_PICKLED}.index.json"
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [_PICKLED]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # a broken index: transformers reports it in its own words
+    for name in names:
+        if (folder / name).is_file():
+            _check_pickle(folder / name)
+
+
+def _check_pickle(path: Path) -> None:
+    """Unpickle with `weights_only=True`: tensors and plain values load, anything that names code is refused."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        named = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
+        raise UserError(
+            f"{path} holds something other than tensors ({named}): refused as unsafe, since unpickling it could run "
+            "arbitrary code"
+        ) from None
+    except Exception:  # noqa: BLE001 - a truncated or foreign file: transformers reports it in its own words
+        return
+
+
+def _load_error(path_or_id: str, e: Exception) -> str:
+    """One line for a failed load: a mistyped local path is said to be one before the hub's view of it."""
+    reason = _first_line(e)
+    if "weights_only" in str(e):  # torch refused a pickle from the hub that holds more than tensors
+        reason = "its weights file holds something other than tensors: refused as unsafe (unpickling could run code)"
+    if Path(path_or_id).expanduser().exists():
+        return f"cannot load transformers GPT-2 '{path_or_id}': {reason}"
+    return f"'{path_or_id}' is not a local folder (no such path{_close_paths(path_or_id)}), and as a hub id: {reason}"
+
+
+def _close_paths(path: str) -> str:
+    """'; did you mean runs/tiny-cpu?' for a near miss among the entries of the path's (existing) parent."""
+    p = Path(path).expanduser()
+    if not p.parent.is_dir() or p.parent == p:
+        return ""
+    names = [q.name for q in p.parent.iterdir() if not q.name.startswith(".")]
+    close = difflib.get_close_matches(p.name, names, n=2, cutoff=0.7)
+    return f"; did you mean {' or '.join(str(Path(path).parent / c) for c in close)}?" if close else ""
 
 
 def _first_line(e: Exception) -> str:

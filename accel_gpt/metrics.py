@@ -30,10 +30,12 @@ class MetricsFile:
             f.writelines(json.dumps(row) + "\n" for row in rows)
 
     def truncate_after(self, step: int) -> None:
-        """Keep only rows up to `step` (and drop a torn last line): a resumed run writes what follows again."""
+        """Keep only rows up to `step`: a resumed run writes what follows again. A torn last line, or any line
+        that is not a row with an integer step (the file is the user's too), is dropped rather than stop a resume."""
         if not self.enabled or not self.path.exists():
             return
-        kept = [json.dumps(row) + "\n" for row in read_metrics(self.path) if row.get("step", 0) <= step]
+        rows = read_metrics(self.path)
+        kept = [json.dumps(row) + "\n" for row in rows if isinstance(row.get("step"), int) and row["step"] <= step]
         atomic_write(self.path, "".join(kept))
 
 

@@ -1,6 +1,7 @@
 """`run.py plot`: one picture of how runs went, from their `metrics.jsonl` alone.
 
-Four panels over optimizer steps: train and val loss, learning rate, HellaSwag accuracy, tokens/s.
+Four panels over optimizer steps: train and val loss (and, for a mixture of data sources, each source's
+val loss), learning rate, HellaSwag accuracy, tokens/s.
 Several runs are overlaid, one colour per run, named by their directory. matplotlib is an optional
 extra (`pip install accel_gpt[plot]`) and is imported only here; the figure is drawn with the Agg
 canvas directly (no pyplot), so no display or GUI backend is ever touched.
@@ -8,6 +9,7 @@ canvas directly (no pyplot), so no display or GUI backend is ever touched.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from accel_gpt.config import PlotConfig
 from accel_gpt.errors import UserError
+from accel_gpt.files import replacing
 from accel_gpt.metrics import METRICS, read_metrics
 
 if TYPE_CHECKING:
@@ -32,6 +35,7 @@ class Curve:
     style: str  # matplotlib line style: solid for the headline metric, dashed for its companion
     label: str  # what the line is within its panel ("train", "val", "acc_norm", ...)
     markers: bool  # sparse metrics (evaluations) get markers so a single point still shows
+    marker: str = "o"  # each source of a mixture gets its own, so its val curves tell apart within one colour
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,19 @@ PANELS = (
 )
 
 
+SOURCE_MARKERS = ("s", "^", "v", "D", "P", "X", "*")
+SOURCE_PREFIX = "val_loss/"  # a mixture's per-source validation loss: val_loss/<folder name>
+
+
+def source_curves(runs: Sequence[RunMetrics]) -> tuple[Curve, ...]:
+    """The loss panel's extra lines for mixtures: each source's val loss, dash-dotted, one marker per source."""
+    keys = sorted({key for run in runs for row in run.rows for key in row if key.startswith(SOURCE_PREFIX)})
+    return tuple(
+        Curve(key, "-.", f"val {key[len(SOURCE_PREFIX) :]}", True, SOURCE_MARKERS[i % len(SOURCE_MARKERS)])
+        for i, key in enumerate(keys)
+    )
+
+
 @dataclass
 class RunMetrics:
     label: str
@@ -80,8 +97,7 @@ def run_plot(cfg: PlotConfig) -> None:
     require_matplotlib()
     runs = load_runs([Path(d) for d in cfg.run_dirs])
     figure = make_figure(runs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, format=out.suffix[1:].lower(), dpi=110)
+    save_figure(figure, out)
     steps = max(run.rows[-1]["step"] for run in runs)
     print(f"wrote {out} ({len(runs)} run{'s' if len(runs) > 1 else ''}, up to step {steps})")
 
@@ -95,9 +111,27 @@ def require_matplotlib() -> None:
 
 
 def check_out_path(out: Path) -> None:
-    """Fail before reading anything when the picture could not be written in the asked format."""
+    """Fail before reading anything when the picture could not be written in the asked format, or not at all (a
+    folder of that name, or no writable folder to put it in)."""
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file name, e.g. --out {out / 'runs.png'}")
     if out.suffix.lower() not in FORMATS:
         raise UserError(f"--out {out}: the file name must end in {', '.join(FORMATS)} (the format follows it)")
+    folder = next(p for p in out.absolute().parents if p.exists())  # the nearest folder that exists
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        reason = "not a folder" if not folder.is_dir() else "not writable (read-only or no permission)"
+        raise UserError(f"cannot write --out {out}: {folder} is {reason}")
+
+
+def save_figure(figure: Figure, out: Path) -> None:
+    """Written whole or not at all: a reader (or a browser refreshing the picture) never sees half a PNG, and a
+    failed write leaves the previous picture as it was."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with replacing(out) as tmp:
+            figure.savefig(tmp, format=out.suffix[1:].lower(), dpi=110)
+    except OSError as e:
+        raise UserError(f"cannot write --out {out}: {e.strerror or e}") from None
 
 
 def load_runs(run_dirs: Sequence[Path]) -> list[RunMetrics]:
@@ -151,13 +185,14 @@ def draw_panel(ax: Axes, panel: Panel, runs: Sequence[RunMetrics], colors: Seque
     if panel.curves[0].key == "tokens_per_sec":
         ax.yaxis.set_major_formatter(EngFormatter())
     drawn = False
+    curves = panel.curves + (source_curves(runs) if panel.title == "loss" else ())
     for run, color in zip(runs, colors, strict=True):
-        for curve in panel.curves:
+        for curve in curves:
             steps, values = run.series(curve.key)
             if not steps:
                 continue
-            label = run.label if len(panel.curves) == 1 else f"{run.label} {curve.label}"
-            marker = "o" if curve.markers else None
+            label = run.label if len(curves) == 1 else f"{run.label} {curve.label}"
+            marker = curve.marker if curve.markers else None
             ax.plot(steps, values, curve.style, color=color, marker=marker, markersize=3, linewidth=1.2, label=label)
             drawn = True
     if drawn:

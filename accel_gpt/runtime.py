@@ -6,6 +6,7 @@ launch gave (the Accelerate config decides; nothing here names a rank or a devic
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -61,33 +62,64 @@ def keep_freed_memory() -> bool:
 
 
 class StopSignal:
-    """SIGTERM/SIGINT ask the run to finish its current step, save and exit 0; a second SIGINT aborts at once.
+    """SIGTERM/SIGINT ask the run to finish its current step, save and exit 0; a second Ctrl-C aborts at once.
 
     A signal may reach the ranks at different steps (or only some of them), so `requested()` makes every
     rank agree after each step: a one-number all-reduce over a CPU (gloo) group, which adds no device sync.
+
+    Under `accelerate launch`, Ctrl-C reaches the launcher alone (torchrun starts each worker in its own session):
+    it forwards a SIGINT to every worker, and on a second Ctrl-C sends them SIGTERM. So after a SIGINT, another
+    SIGINT or a SIGTERM aborts; repeated SIGTERMs (a scheduler signalling the launcher and the workers, which the
+    launcher forwards again) stop the run once. A worker whose launcher is gone (killed alone, e.g. SIGKILL of its
+    process group) would train on as an orphan: after each step, a worker started by torchrun checks that its
+    parent is still the launcher, and stops and saves as on SIGTERM when it is not.
     """
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.flag = False
+        self.first: int | None = None  # the first signal received
         self.speak = accelerator.is_main_process
         self.group: Any = None
         self.world = accelerator.num_processes
         if self.world > 1:
             self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
+    def __enter__(self) -> StopSignal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.flag and signum == signal.SIGINT:
+        if self.flag and (signum == signal.SIGINT or self.first == signal.SIGINT):
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)  # the second Ctrl-C: stop now, no save
             return
-        self.flag = True
+        if self.flag:
+            return
+        self.flag, self.first = True, signum
+        self._say(
+            f"{signal.Signals(signum).name}: finishing the current step, then saving and exiting (Ctrl-C again: abort)"
+        )
+
+    def _say(self, message: str) -> None:
         if self.speak:
-            name = signal.Signals(signum).name
-            sys.stderr.write(f"\n{name}: finishing the current step, then saving and exiting (Ctrl-C again: abort)\n")
+            with contextlib.suppress(OSError):  # an orphan's stderr may be a pipe nobody reads any more
+                sys.stderr.write(f"\n{message}\n")
+
+    def _orphaned(self) -> bool:
+        """The launcher that started this worker has died (the worker was re-parented)."""
+        if self.launcher is None or os.getppid() == self.launcher:
+            return False
+        self._say(f"the launcher (pid {self.launcher}) is gone: finishing the current step, then saving and exiting")
+        return True
 
     def requested(self) -> bool:
-        """Whether any rank was signalled; the same answer on every rank."""
+        """Whether any rank was signalled or lost its launcher; the same answer on every rank."""
+        if not self.flag and self._orphaned():
+            self.flag = True
         if self.world == 1:
             return self.flag
         flag = torch.tensor([int(self.flag)])

@@ -2,11 +2,14 @@
 
 The training step returns device tensors; `MetricsLogger` keeps them until its window ends and then reads
 the whole window in one go: one all-reduce and one host sync per `log_every` steps, so the GPU runs ahead
-in between. Throughput is averaged over the window's wall time, with evaluation and saving left out.
+in between. Throughput is averaged over the window's wall time, with evaluation and saving left out. That read is
+also where a diverged run is caught: a non-finite loss or gradient norm stops the run there, before the step's
+checkpoint or final weights could be written, at no extra sync.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import logging
 import math
@@ -19,7 +22,9 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from accel_gpt.checkpoint import complete_checkpoints
 from accel_gpt.config import TrainConfig
+from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.metrics import METRICS, MetricsFile
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' data sheets. The first name
@@ -45,14 +50,42 @@ def device_peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
+# The `pip install` that brings a tracker (the project's extras where it has one).
+TRACKER_INSTALL = {"tensorboard": 'pip install -e ".[tensorboard]"', "wandb": 'pip install -e ".[wandb]"'}
+TRACKER_ALIASES = {
+    "tb": "tensorboard",
+    "tensorboardx": "tensorboard",
+    "weights_and_biases": "wandb",
+    "comet": "comet_ml",
+}
+
+
 def resolve_trackers(log_with: str) -> list[str] | None:
-    """`auto`: TensorBoard when installed, else none (metrics.jsonl is always written)."""
+    """`auto`: TensorBoard when installed, else none (metrics.jsonl is always written). Named trackers must be
+    Accelerate's and installed: Accelerate raises a traceback for an unknown name and silently drops a missing one.
+    """
     if log_with == "none":
         return None
     if log_with == "auto":
         has_tb = importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
         return ["tensorboard"] if has_tb else None
-    return [name.strip() for name in log_with.split(",") if name.strip()]
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    known = [str(t) for t in LoggerType if str(t) != "all"]
+    available = {str(t) for t in get_available_trackers()}
+    names = [name.strip() for name in log_with.split(",") if name.strip()]
+    for name in names:
+        if name not in known:
+            close = [TRACKER_ALIASES[name]] if name in TRACKER_ALIASES else difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(
+                f"log_with {name!r} is not a tracker{hint}; use auto, none, or some of: {', '.join(known)}"
+            )
+        if name not in available:
+            install = TRACKER_INSTALL.get(name, f"pip install {name}")
+            raise ConfigError(f"log_with {name}: {name} is not installed; {install}, or pass --log_with none")
+    return names or None
 
 
 def show_logs_above_progress_bar() -> None:
@@ -75,7 +108,8 @@ class MetricsLogger:
         self.log_every = cfg.log_every
         self.flops_per_token = flops_per_token
         self.peak = device_peak_flops(accelerator.device)
-        self.file = MetricsFile(Path(cfg.out_dir) / METRICS, accelerator.is_main_process)
+        self.out_dir = Path(cfg.out_dir)
+        self.file = MetricsFile(self.out_dir / METRICS, accelerator.is_main_process)
         self.file.truncate_after(step)  # rows past a resumed step are written again (an attempt may have logged them)
         self.progress = tqdm(
             total=cfg.max_steps, initial=step, unit="step", disable=not accelerator.is_main_process, dynamic_ncols=True
@@ -115,7 +149,24 @@ class MetricsLogger:
             for i, (r, (loss, grad_norm)) in enumerate(zip(self.rows, values, strict=True))
         ]
         self.rows = []
+        self._stop_if_diverged(rows)
         return rows
+
+    def _stop_if_diverged(self, rows: list[dict[str, Any]]) -> None:
+        """A non-finite loss (the weights before the step) or gradient norm (the weights it makes) ends the run
+        before anything of that step is saved: its rows up to the bad one are written, then every rank raises
+        (the values are all-reduced, so all see them)."""
+        bad = next((r for r in rows if not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]))), None)
+        if bad is None:
+            return
+        self.file.write(rows[: rows.index(bad) + 1])
+        self.progress.close()
+        done = complete_checkpoints(self.out_dir)
+        kept = f"the newest checkpoint, {done[-1].name}, is from before it" if done else "no checkpoint was written"
+        raise UserError(
+            f"training diverged at step {bad['step']} (loss {bad['loss']}, grad_norm {bad['grad_norm']}): stopped "
+            f"without saving its weights; {kept} (resume from it by path with a lower --learning_rate or a --grad_clip)"
+        )
 
     def write(self, rows: list[dict[str, Any]], extra: dict[str, Any]) -> None:
         """metrics.jsonl and trackers (main process), the progress bar; `extra` (evaluations) joins the last row."""

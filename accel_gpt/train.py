@@ -1,15 +1,15 @@
 """`run.py train`: build, resume, then optimizer steps until `max_steps`, then the final weights.
 
-`train()` only calls parts that own their cadence and state: the `MetricsLogger` (the one host sync per
-`log_every` window), the `Evaluator` (validation loss, HellaSwag, samples), the `Checkpointer` (saving,
-pruning, resuming) and the `StopSignal` (SIGTERM/SIGINT finish the current step and save). Devices, DDP
-wrapping, mixed precision and gradient sync belong to Accelerate; this module never names a rank.
+`train()` only calls parts that own their cadence and state: the `RunDir` (the folder's checks before anything
+is built, then its lock for the whole run), the `MetricsLogger` (the one host sync per `log_every` window, where a
+non-finite loss stops the run), the `Evaluator` (validation loss, HellaSwag, samples), the `Checkpointer`
+(saving, pruning, resuming) and the `StopSignal` (SIGTERM/SIGINT, or the launcher's death, finish the current
+step and save). Devices, DDP wrapping, mixed precision and gradient sync belong to Accelerate; this module never
+names a rank.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,55 +22,60 @@ from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 
-from accel_gpt.checkpoint import Checkpointer, TrainState
-from accel_gpt.config import MODEL_FIELDS, TrainConfig, save_yaml
+from accel_gpt.checkpoint import Checkpointer, TrainState, complete_checkpoints, data_identity, tokenizer_mismatch
+from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.data import shards
 from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
-from accel_gpt.errors import ConfigError
+from accel_gpt.errors import ConfigError, DataError
 from accel_gpt.evaluate.evaluator import Evaluator
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
+from accel_gpt.rundir import RunDir
 from accel_gpt.runtime import StopSignal, make_accelerator
+from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.tracking import MetricsLogger, resolve_trackers, show_logs_above_progress_bar
-from accel_gpt.weights import ModelCard, save_weights
+from accel_gpt.weights import MODEL_CONFIG, ModelCard, load_model, save_weights
 
 logger = get_logger(__name__)
 
 
 def train(cfg: TrainConfig) -> None:
+    run_dir = RunDir(cfg)  # checks out_dir on every rank; nothing is written before run_dir.start
     accelerator = build_accelerator(cfg)
     run = build(cfg, accelerator)
-    state = TrainState(config=cfg.to_dict())
+    state = TrainState(config=cfg.to_dict(), data=run.data)
     checkpointer = Checkpointer(cfg, accelerator, run.card, state)
-    checkpointer.resume(cfg.resume)
+    checkpointer.resume(cfg.resume, run.optimizer)
     evaluator = Evaluator(cfg, accelerator, run.model, run.card, run.splits)
-    log = MetricsLogger(cfg, accelerator, run.flops_per_token, state.step)
-    stop = StopSignal(accelerator)  # from here on, a signal finishes the current step and saves
-    start_run(cfg, accelerator)
-    batches = run.batches(state.data_position)  # the stream position follows from the step
-    logger.info(describe(cfg, accelerator, run))
-    while state.step < cfg.max_steps:
-        log.add(train_step(run, batches, accelerator, cfg))
-        state.advance(cfg)
-        last, stopping = state.step == cfg.max_steps, stop.requested()
-        saving, evals = checkpointer.due(state.step, last, stopping), {}
-        if log.due(state.step, last) or evaluator.due(state.step, last) or saving or stopping:
-            rows = log.collect(state.step)  # the one host sync; the window's clock stops here
-            evals = evaluator.run(state.step, last)
-            state.last_val_loss = evals.get("val_loss", state.last_val_loss)
-            log.write(rows, evals)  # a save step writes its rows first: a resume keeps the rows up to it
-        if saving:
-            checkpointer.save(val_loss=evals.get("val_loss"))  # keep_best ranks a checkpoint by its own loss
-            log.restart_clock()
-        if stopping:
-            saved = "resume with --resume auto" if cfg.save_every else "save_every=0, so no checkpoint was written"
-            logger.info(f"stop requested: stopped after step {state.step}; {saved}")
-            break
-    stop.restore()
-    if state.step == cfg.max_steps:
-        save_final(cfg, accelerator, run, state)
-    logger.info(log.summary(state.step, cfg.max_steps, state.tokens_seen, state.last_val_loss, cfg.out_dir))
-    accelerator.end_training()
+    with run_dir.start(accelerator), StopSignal(accelerator) as stop:  # the lock, held until the run ends
+        checkpointer.retire_later_line()  # resumed by path: the old line's later checkpoints are moved aside
+        log = MetricsLogger(cfg, accelerator, run.flops_per_token, state.step)
+        batches = run.batches(state.data_position)  # the stream position follows from the step
+        logger.info(describe(cfg, accelerator, run))
+        while state.step < cfg.max_steps:
+            log.add(train_step(run, batches, accelerator, cfg))
+            state.advance(cfg)
+            last, stopping = state.step == cfg.max_steps, stop.requested()
+            saving, evals = checkpointer.due(state.step, last, stopping), {}
+            if log.due(state.step, last) or evaluator.due(state.step, last) or saving or stopping:
+                rows = log.collect(state.step)  # the one host sync; raises on a non-finite loss, before any save
+                evals = evaluator.run(state.step, last)
+                state.last_val_loss = evals.get("val_loss", state.last_val_loss)
+                log.write(rows, evals)  # a save step writes its rows first: a resume keeps the rows up to it
+            if saving:
+                checkpointer.save(val_loss=evals.get("val_loss"))  # keep_best ranks a checkpoint by its own loss
+                log.restart_clock()
+            if stopping:
+                logger.info(f"stop requested: stopped after step {state.step}; {stop_hint(cfg)}")
+                break
+        if state.step == cfg.max_steps:
+            save_final(cfg, accelerator, run, state)
+        logger.info(log.summary(state.step, cfg.max_steps, state.tokens_seen, state.last_val_loss, cfg.out_dir))
+        accelerator.end_training()
+
+
+def stop_hint(cfg: TrainConfig) -> str:
+    return "resume with --resume auto" if cfg.save_every else "save_every=0, so no checkpoint was written"
 
 
 def train_step(run: Run, batches: Iterator, accelerator: Accelerator, cfg: TrainConfig) -> dict[str, Any]:
@@ -116,6 +121,7 @@ class Run:
     card: ModelCard  # model shape + tokenizer, written beside every saved set of weights
     splits: list[str]
     flops_per_token: int
+    data: dict[str, Any]  # `checkpoint.data_identity`: what a resume must train on
 
     def batches(self, position: int) -> Iterator:
         """The training stream from window `position` on (O(1): nothing before it is read)."""
@@ -138,14 +144,13 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
     return accelerator
 
 
-def build_model(cfg: TrainConfig) -> GPT:
+def build_model(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
+    """A fresh GPT, or the weights `init_from` names, checked against the config's shape and the data's tokenizer."""
     gpt_config = GPTConfig(**{name: getattr(cfg, name) for name in MODEL_FIELDS})
     if cfg.init_from == "none":
         model = GPT(gpt_config)
     else:
-        from accel_gpt.hf import load_transformers_gpt2
-
-        model = load_transformers_gpt2(cfg.init_from, vocab_size=cfg.vocab_size)
+        model = load_init_from(cfg, tokenizer)
         for name in MODEL_FIELDS:
             if getattr(model.config, name) != getattr(gpt_config, name):
                 raise ConfigError(
@@ -153,16 +158,38 @@ def build_model(cfg: TrainConfig) -> GPT:
                     f"{getattr(gpt_config, name)}; set --{name} {getattr(model.config, name)}"
                 )
     model.activation_checkpointing = cfg.activation_checkpointing
+    model.loss_chunk = cfg.loss_chunk
+    return model
+
+
+def load_init_from(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
+    """`init_from`: an accel_gpt run dir (its final weights, else its newest complete checkpoint) or checkpoint, or
+    a transformers GPT-2 folder or hub id (its embedding padded to vocab_size). Weights trained with another
+    tokenizer than the data's are refused: their token ids would mean other text."""
+    source = Path(cfg.init_from)
+    if not (source / MODEL_CONFIG).is_file() and complete_checkpoints(source):
+        source = complete_checkpoints(source)[-1]
+    if not (source / MODEL_CONFIG).is_file():
+        from accel_gpt.hf import load_transformers_gpt2
+
+        return load_transformers_gpt2(cfg.init_from, vocab_size=cfg.vocab_size)
+    model, card = load_model(source)
+    if card.tokenizer != tokenizer:
+        raise ConfigError(f"init_from {source}: {tokenizer_mismatch(card.tokenizer, tokenizer)} in {cfg.data_dir}")
     return model
 
 
 def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
     """Data (checked against the model), model, optimizer and schedule, all through `accelerator.prepare`."""
     set_seed(cfg.seed)  # the same initial weights on every rank and for any W
-    # one reader per node hashes the shards; every rank checks their sizes
-    train_ds = train_windows(cfg.data_dir, cfg.seq_len, checksums=accelerator.is_local_main_process)
+    # every rank checks the shards' sizes; one reader per node hashes those not verified as they are now
+    checksums = accelerator.is_local_main_process
+    train_ds = train_windows(cfg.data_dirs, cfg.seq_len, checksums=checksums, verify=cfg.verify_data)
     check_vocab(train_ds.manifest, cfg.vocab_size, cfg.data_dir)
-    sampler = WindowSampler(len(train_ds), cfg.seed)
+    if accelerator.is_local_main_process:  # the manifest's record, or one read of the shards per node
+        check_token_ids(cfg.data_dirs, [source.manifest for source in train_ds.sources], cfg.vocab_size)
+    weights, per_step = cfg.source_weights(), cfg.windows_per_step
+    sampler = WindowSampler(train_ds.sizes, cfg.seed, weights=weights, windows_per_step=per_step)
     train_dl = DataLoader(
         train_ds,
         sampler=sampler,
@@ -172,37 +199,31 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
         pin_memory=accelerator.device.type == "cuda",
         persistent_workers=cfg.num_workers > 0,
     )
-    model = build_model(cfg)
-    card = ModelCard(model.config, shards.tokenizer(train_ds.manifest))
+    tokenizer = shards.tokenizer(train_ds.manifest)
+    model = build_model(cfg, tokenizer)
+    card = ModelCard(model.config, tokenizer)
     flops_per_token = model.flops_per_token()
     optimizer = make_optimizer(model, cfg, accelerator.device.type)
     scheduler = make_scheduler(optimizer, cfg)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
     if cfg.compile:
         model.compile(mode=cfg.compile_mode)  # in place: state_dict keys stay those of the uncompiled model
-    splits = list(train_ds.manifest["splits"])
-    return Run(model, optimizer, scheduler, train_dl, sampler, card, splits, flops_per_token)
+    splits = train_ds.splits
+    data = data_identity([source.manifest for source in train_ds.sources], cfg.source_weights())
+    return Run(model, optimizer, scheduler, train_dl, sampler, card, splits, flops_per_token, data)
 
 
-def start_run(cfg: TrainConfig, accelerator: Accelerator) -> None:
-    """The run directory's config.yaml and accelerate_env.txt (main process), and the trackers."""
-    if accelerator.is_main_process:
-        out = Path(cfg.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        save_yaml(cfg, out / "config.yaml")
-        (out / "accelerate_env.txt").write_text(accelerate_env_report(accelerator))
-    accelerator.init_trackers("accel_gpt", config=cfg.to_dict())
-    accelerator.wait_for_everyone()
-
-
-def accelerate_env_report(accelerator: Accelerator) -> str:
-    """`accelerate env` (versions, devices, default config; what a bug report needs), then the state in use."""
-    from accelerate.commands.env import env_command, env_command_parser
-
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        env_command(env_command_parser().parse_args([]))
-    return f"{buffer.getvalue()}\n- state of this run:\n{accelerator.state}"
+def check_token_ids(data_dirs: list[str], manifests: list[dict[str, Any]], vocab_size: int) -> None:
+    """Every token id must index the embedding: shards that agree with their manifest can still hold a larger id
+    (a manifest's vocabulary smaller than its ids), which would crash an embedding lookup mid-run."""
+    for data_dir, manifest in zip(data_dirs, manifests, strict=True):
+        for split in manifest["splits"]:
+            top = shards.max_token_id(data_dir, manifest, split)
+            if top >= vocab_size:
+                raise DataError(
+                    f"the {split} shards in {data_dir} hold token id {top} but the model's vocab_size is "
+                    f"{vocab_size}: ids must be below it; set vocab_size > {top} or prepare the data again"
+                )
 
 
 def describe(cfg: TrainConfig, accelerator: Accelerator, run: Run) -> str:

@@ -6,7 +6,10 @@ when Accelerate changes:
 - `cpu_only` + `check_group`: on a machine without GPUs, W processes launched with `--multi_gpu`
   each get a 1-process state unless the Accelerator is told `cpu=True` (accelerate/state.py,
   `PartialState.__init__` picks the gloo backend only for CPU states); they would train W
-  independent copies and overwrite each other's files.
+  independent copies and overwrite each other's files. And on such a machine `accelerate launch
+  --num_processes N` without `--multi_gpu`, or the multi-CPU config of the `accelerate config` wizard
+  without mpirun, starts ONE process (accelerate/commands/launch.py, `launch_command` falls through to
+  `simple_launcher`), which would train alone while N were asked for.
 - `reset_micro_step`: `load_state` restores the saving run's micro-step counter
   (accelerate/accelerator.py, `Accelerator.load_state`: `self.step = override_attributes["step"]`),
   which under another accumulation puts gradient syncs off the optimizer-step boundaries.
@@ -51,6 +54,28 @@ def check_group(state: PartialState) -> None:
             f"launched {launched} processes (WORLD_SIZE) but the Accelerator formed a group of "
             f"{state.num_processes} ({state.distributed_type}); check the accelerate config"
         )
+    if started_one_of_several():
+        raise UserError(
+            "accelerate launch asked for several processes but started one (on a machine without GPUs, "
+            "--num_processes N without --multi_gpu, or a multi-CPU config without mpirun, runs a single process); "
+            "launch with --config_file accelerate_configs/cpu_2proc.yaml (or --multi_gpu --num_processes N) instead "
+            "(if one process was meant, unset MASTER_PORT)"
+        )
+
+
+# Set by the process launchers that start several processes (torchrun; MPI's mpirun in its three dialects).
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def started_one_of_several() -> bool:
+    """`accelerate launch`'s one-process launcher, told to start several: it sets MASTER_ADDR/MASTER_PORT only
+    when asked for more than one process (accelerate/utils/launch.py, `prepare_simple_launcher_cmd_env`), but
+    no launcher that really starts several processes is in between to set a world size. ACCELERATE_DYNAMO_BACKEND
+    shows that `accelerate launch` started this process; a MASTER_PORT the user exported for a one-process launch
+    looks the same, so the message says what to do in that case too."""
+    launched_by_accelerate = "ACCELERATE_DYNAMO_BACKEND" in os.environ
+    asked_for_several = "MASTER_PORT" in os.environ
+    return launched_by_accelerate and asked_for_several and not any(v in os.environ for v in _WORLD_SIZE_VARIABLES)
 
 
 def reset_micro_step(accelerator: Accelerator) -> None:

@@ -684,6 +684,24 @@ def test_prune_keeps_the_newest_and_the_best_by_its_own_val_loss(tmp_path: Path)
     assert checkpoints(tmp_path) == ["step_00000004", "step_00000010", "step_00000012"]
 
 
+def test_an_unreadable_marker_makes_its_checkpoint_incomplete(tmp_path: Path) -> None:
+    """A truncated or garbled COMPLETE vouches for nothing: `auto`, pruning and keep_best skip that folder (and say
+    so) instead of failing; a marker whose val_loss is not a finite number is unscored."""
+    root = tmp_path / "checkpoints"
+    markers = {2: '{"step": 2, "val_loss": 0.5}', 4: '{"step": 4, "val_lo', 6: '{"step": 6, "val_loss": "x"}', 8: "[8]"}
+    markers |= {10: '{"step": 10, "val_loss": 2.0}', 12: '{"step": 12, "val_loss": NaN}'}
+    for step, text in markers.items():
+        (root / f"step_{step:08d}").mkdir(parents=True)
+        (root / f"step_{step:08d}" / "COMPLETE").write_text(text)
+    with accelerate_state():  # the warnings go through accelerate's logger
+        assert find_resume_checkpoint("auto", tmp_path) == ckpt(tmp_path, 12)
+        with pytest.raises(UserError, match="has an unreadable COMPLETE marker"):
+            find_resume_checkpoint(str(ckpt(tmp_path, 4)), tmp_path)
+        prune(tmp_path, keep=1, keep_best=True)
+    # 2 is the best scored; 12 the newest; 4 and 8 are incomplete, so untouched; 6 (unscored) and 10 pruned
+    assert checkpoints(tmp_path) == [f"step_{s:08d}" for s in (2, 4, 8, 12)]
+
+
 @pytest.mark.parametrize("name", RESUME_FIELDS)
 def test_resume_config_refuses_each_shape_or_batch_field(name: str) -> None:
     saved = {field: 64 for field in RESUME_FIELDS}
@@ -700,8 +718,7 @@ def test_find_resume_checkpoint_choices(tmp_path: Path, ref: dict[int, Path]) ->
     assert find_resume_checkpoint("auto", tmp_path / "empty") is None
     assert find_resume_checkpoint("none", tmp_path / "empty") is None
     assert find_resume_checkpoint(str(ckpt(run, 3)), tmp_path / "elsewhere") == ckpt(run, 3)
-    with pytest.raises(UserError, match="already holds checkpoints of an earlier run"):
-        find_resume_checkpoint("none", run)
+    assert find_resume_checkpoint("none", run) is None  # a folder of another run is refused by RunDir, earlier
     with pytest.raises(UserError, match="is a run directory, not a checkpoint"):
         find_resume_checkpoint(str(run), tmp_path / "elsewhere")
     with pytest.raises(UserError, match="does not exist"):

@@ -476,7 +476,72 @@ def test_url_source_and_unreachable_url(tmp_path: Path) -> None:
 
 
 def test_missing_file_and_offline_hub_are_user_errors(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="is not a jsonl file"):
+    with pytest.raises(UserError, match=f"^HellaSwag file '{tmp_path / 'nope.jsonl'}' does not exist$"):
         load_hellaswag(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(UserError, match="^HellaSwag file 'data/hellaswag_val.jsonl' does not exist$"):
+        load_hellaswag("data/hellaswag_val.jsonl")  # relative, and shaped like a hub id but for its suffix
+    with pytest.raises(UserError, match="is a folder; give its jsonl file"):
+        load_hellaswag(str(tmp_path))
     with pytest.raises(UserError, match="cannot load the validation split of hub dataset 'Rowan/hellaswag'"):
         load_hellaswag("Rowan/hellaswag")  # HF_DATASETS_OFFLINE=1 and nothing cached
+
+
+def test_a_row_that_is_not_utf8_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps(hs_row(0, "ok", ["a", "b", "c", "d"], 0)).encode()
+    latin1 = json.dumps(hs_row(1, "caf\u00e9", ["a", "b", "c", "d"], 0), ensure_ascii=False).encode("latin-1")
+    path.write_bytes(good + b"\n" + latin1 + b"\n")  # "é" as the single byte 0xe9
+    with pytest.raises(UserError, match=f"^{path} line 2: not UTF-8 text \\(byte 0xe9 at byte "):
+        load_hellaswag(str(path))
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n")  # a byte-order mark is not an error
+    assert [e.ind for e in load_hellaswag(str(path))] == [0]
+
+
+def eval_error(capsys: pytest.CaptureFixture, *args: str) -> str:
+    """The one stderr line of `run.py eval ARGS` in this process, which must exit 2."""
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", *args])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_shards_of_another_tokenizer_are_refused(
+    tmp_path: Path, tiny_checkpoint: Path, val_data: Path, one_rank: None, capsys: pytest.CaptureFixture
+) -> None:
+    """A GPT-2 model on char shards (ids below 65 index real rows) and a char model on GPT-2 shards."""
+    chars = "".join(map(chr, range(65)))
+    char_data = write_token_shards(tmp_path / "char_data", train=list(range(64)) * 3, val=list(range(64)) * 3,
+                                   vocab_size=65)  # fmt: skip
+    line = eval_error(capsys, "--checkpoint", str(tiny_checkpoint), "--data_dir", str(char_data))
+    assert line == (
+        f"error: the shards in {char_data} hold char (65 characters) tokens, but {tiny_checkpoint} was trained on "
+        "gpt2 tokens: its val_loss on them would mean nothing; prepare the data with the model's tokenizer"
+    )
+    char_model = save(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, vocab_size=65)), tmp_path / "char",
+                      Tokenizer("char", chars))  # fmt: skip
+    line = eval_error(capsys, "--checkpoint", str(char_model), "--data_dir", str(val_data))
+    assert "hold gpt2 tokens, but" in line and "trained on char (65 characters) tokens" in line
+    other = save(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, vocab_size=65)), tmp_path / "other",
+                 Tokenizer("char", "".join(map(chr, range(1, 66)))))  # fmt: skip
+    line = eval_error(capsys, "--checkpoint", str(other), "--data_dir", str(char_data))
+    assert "hold char (65 characters) tokens of another vocabulary, but" in line
+
+
+def test_out_must_be_a_writable_file_and_is_checked_first(
+    tmp_path: Path, tiny_checkpoint: Path, seven_path: Path, one_rank: None, capsys, monkeypatch
+) -> None:
+    """Refused before anything is scored; no temporary file is left, in the folder or in the current directory."""
+    monkeypatch.chdir(tmp_path)
+    (folder := tmp_path / "preds").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    args = ["--checkpoint", str(tiny_checkpoint), "--hellaswag", str(seven_path), "--out"]
+    assert eval_error(capsys, *args, str(folder)) == (
+        f"error: --out {folder} is a folder; give a file name, e.g. --out {folder / 'predictions.jsonl'}"
+    )
+    assert eval_error(capsys, *args, ".").startswith("error: --out . is a folder; give a file name")
+    assert eval_error(capsys, *args, "a_file/preds.jsonl") == (
+        f"error: cannot write --out a_file/preds.jsonl: {tmp_path / 'a_file'} is not a writable folder"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "preds"] and not list(folder.iterdir())

@@ -155,13 +155,64 @@ def test_load_transformers_gpt2_folder_pads_and_errors_clearly(tmp_path):
     (folder / "model.safetensors").write_bytes(b"\x00not a safetensors file")
     with pytest.raises(UserError, match="cannot load transformers GPT-2"):
         hf.load_transformers_gpt2(str(folder))
-    with pytest.raises(UserError, match="'no-such-org/no-such-model': not a local folder; as a hub id"):
+    with pytest.raises(UserError, match=r"'no-such-org/no-such-model' is not a local folder \(no such path\), and as"):
         hf.load_transformers_gpt2("no-such-org/no-such-model")  # HF_HUB_OFFLINE=1: not cached, not fetched
     other = tmp_path / "llama"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(UserError, match="expected a GPT-2 model .* got model_type 'llama'"):
         hf.load_transformers_gpt2(str(other))
+
+
+class Payload:
+    """Pickles as a call to os.mkdir(path): unpickling it with weights_only=False creates the folder."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def pickled_gpt2_folder(folder: Path, payload: Path | None = None) -> Path:
+    """A transformers GPT-2 folder whose weights are `pytorch_model.bin` (the layout before safetensors); with
+    `payload`, the pickle also holds an object whose unpickling would create that folder."""
+    model = tiny_hf(vocab_size=100, bos_token_id=None, eos_token_id=None)
+    model.save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    state = dict(model.state_dict())
+    if payload is not None:
+        state["extra"] = Payload(payload)
+    torch.save(state, folder / "pytorch_model.bin")
+    return folder
+
+
+def test_a_pickle_that_would_run_code_is_refused_as_unsafe(tmp_path):
+    marker = tmp_path / "payload_ran"
+    folder = pickled_gpt2_folder(tmp_path / "evil", marker)
+    with pytest.raises(UserError) as err:
+        load_model(folder)
+    assert str(err.value).startswith(f"{folder / 'pytorch_model.bin'} holds something other than tensors (")
+    assert str(err.value).endswith("refused as unsafe, since unpickling it could run arbitrary code")
+    assert "weights_only=False" not in str(err.value) and not marker.exists()
+
+
+def test_a_plain_pickled_folder_loads_and_other_pickles_are_not_opened(tmp_path):
+    """Only the weights transformers reads are checked: a training_args.bin beside them is never unpickled."""
+    folder = pickled_gpt2_folder(tmp_path / "plain")
+    torch.save({"args": Payload(tmp_path / "payload_ran")}, folder / "training_args.bin")
+    model, card = load_model(folder)
+    assert model.config.vocab_size == 100 and card.tokenizer == GPT2 and not (tmp_path / "payload_ran").exists()
+
+
+def test_a_mistyped_local_path_is_said_to_be_one(tmp_path, monkeypatch):
+    (tmp_path / "runs" / "tiny-cpu").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as err:
+        load_model("runs/tiny_cpu")
+    assert str(err.value).startswith(
+        "'runs/tiny_cpu' is not a local folder (no such path; did you mean runs/tiny-cpu?), and as a hub id: "
+    )
 
 
 def test_tokenizer_files_are_gpt2s_own():

@@ -156,6 +156,37 @@ def test_bad_inputs_give_one_line_errors(tmp_path: Path, capsys: pytest.CaptureF
     assert not out.exists()
 
 
+def test_out_must_be_a_file_and_a_failed_write_keeps_the_old_picture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A folder named like the picture, a path under a file, a disk that fills up while saving: one line each, and
+    the picture from before is still whole, with no temporary beside it."""
+    import errno
+
+    from matplotlib.figure import Figure
+
+    run = str(write_run(tmp_path / "a", 4, hellaswag=False))
+    (tmp_path / "dir.png").mkdir()
+    assert "is a folder; give a file name" in _plot_error(capsys, run, "--out", str(tmp_path / "dir.png"))
+    (tmp_path / "a_file").write_text("x")
+    assert _plot_error(capsys, run, "--out", str(tmp_path / "a_file" / "x.png")) == (
+        f"error: cannot write --out {tmp_path / 'a_file' / 'x.png'}: {tmp_path / 'a_file'} is not a folder"
+    )
+    out = tmp_path / "runs.png"
+    main(["plot", run, "--out", str(out)])
+    before = out.read_bytes()
+    save = Figure.savefig
+
+    def full_disk(self, fname, **kw):
+        save(self, fname, **kw)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    capsys.readouterr()
+    assert _plot_error(capsys, run, "--out", str(out)) == f"error: cannot write --out {out}: No space left on device"
+    assert out.read_bytes() == before and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
 def test_other_formats_follow_the_suffix(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "runs.svg"
     main(["plot", str(write_run(tmp_path / "a", 4, hellaswag=True)), "--out", str(out)])

@@ -31,6 +31,7 @@ from accel_gpt.data.merge import merge_parts
 from accel_gpt.data.pipeline import STATE_FILE
 from accel_gpt.data.prepare import Job, prepare
 from accel_gpt.errors import ConfigError, DataError
+from accel_gpt.files import LOCK
 from accel_gpt.tokenizer import GPT2_EOT, Tokenizer
 
 EOT = GPT2_EOT
@@ -104,7 +105,8 @@ def documents_of(tokens: np.ndarray, tok: Tokenizer) -> list[str]:
 
 
 def files_of(data_dir: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(data_dir.iterdir()) if p.is_file()}
+    """Every file a prepare published (the lock file names the process that held it last, so it is left out)."""
+    return {p.name: p.read_bytes() for p in sorted(data_dir.iterdir()) if p.is_file() and p.name != LOCK}
 
 
 # --- tokenization -------------------------------------------------------------------------------------------------
@@ -171,10 +173,18 @@ def test_txt_round_trip_eot_shards_and_manifest(tmp_path: Path, docs: list[str],
     assert manifest["source"]["kind"] == "files" and manifest["source"]["sample_by"] == "paragraph"
     assert manifest["args"]["shard_size"] == 1000 and "out_dir" not in manifest["args"]
     assert summary.documents == {"train": len(docs)} and summary.tokens == {"train": tokens.size}
-    assert not (out / STATE_FILE).exists() and sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    assert not (out / STATE_FILE).exists() and sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [
+        LOCK  # the lock file stays: see prepare._output_folder
+    ]
+    arrays = shards.open_split(out, manifest, "train")
+    assert [e["max_id"] for e in entries] == [int(a.max()) for a in arrays] and entries[0]["max_id"] == EOT
+    assert shards.max_token_id(out, manifest, "train") == max(int(a.max()) for a in arrays)
+    assert manifest["skipped_null"] == 0 and summary.skipped_null == 0
+    stat = src.stat()
+    assert manifest["source"]["inputs"] == [{"file": "docs.txt", "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}]
 
 
-def _save_jsonl(path: Path, documents: list[str]) -> Path:
+def _save_jsonl(path: Path, documents: list[str | None]) -> Path:
     path.write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(documents)))
     return path
 
@@ -197,8 +207,11 @@ def test_local_sources_give_the_input_documents(kind: str, tmp_path: Path, docs:
         (src := tmp_path / "folder").mkdir()
         _save_jsonl(src / "a.jsonl", documents[:70])
         _save_jsonl(src / "b.jsonl", documents[70:])
-    prepare(opts(tmp_path, src, shard_size=5000))
+    summary = prepare(opts(tmp_path, src, shard_size=5000))
+    if kind == "csv":  # CSV has no empty string apart from a missing value: the "" row reads as null and is skipped
+        documents.remove("")
     assert documents_of(stream(tmp_path / "out"), tok) == documents
+    assert shards.read_manifest(tmp_path / "out")["skipped_null"] == summary.skipped_null == (kind == "csv")
 
 
 def test_val_tokens_are_the_first_tokens(tmp_path: Path, docs: list[str]) -> None:
@@ -408,9 +421,9 @@ def test_cli_process_exits_2_with_one_line(tmp_path: Path) -> None:
 def test_rerun_verifies_a_finished_prepare_and_refuses_other_arguments(tmp_path: Path, docs: list[str]) -> None:
     src = write_txt(tmp_path / "docs.txt", docs)
     prepare(opts(tmp_path, src, shard_size=2000))
-    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir() if p.name != LOCK}
     assert prepare(opts(tmp_path, src, shard_size=2000, num_proc=2)).status == "already prepared"
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == before
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir() if p.name != LOCK} == before
     with pytest.raises(DataError, match=r"other arguments \(shard_size: 2000 -> 3000\)"):
         prepare(opts(tmp_path, src, shard_size=3000))
     shard = tmp_path / "out" / shards.shard_name("train", 1)
@@ -451,6 +464,34 @@ def test_killed_prepare_resumes_to_identical_bytes(tmp_path: Path, shakespeare_p
     assert files_of(out) == files_of(tmp_path / "reference")
 
 
+@pytest.mark.slow
+def test_two_prepares_into_one_folder_the_second_is_refused(tmp_path: Path, shakespeare_path: Path) -> None:
+    """Two real processes: the first is stopped (SIGSTOP) once it has written shards, so it surely holds the lock
+    while the second starts; the second is refused in one line and changes nothing; the first then finishes."""
+    src = tmp_path / "big.txt"
+    src.write_text(shakespeare_path.read_text() * 4)
+    out = tmp_path / "out"
+    argv = python_cmd("prepare", "--dataset", str(src), "--shard_size", "5000", "--task_chars", "20000")
+    first = subprocess.Popen([*argv, "--out_dir", str(out)], cwd=REPO, env=subprocess_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        _wait_for_shards(out, first, at_least=2)
+        first.send_signal(signal.SIGSTOP)
+        before = files_of(out)
+        second = run_cmd([*argv, "--out_dir", str(out)], check=False)
+        assert files_of(out) == before
+    finally:
+        first.send_signal(signal.SIGCONT)
+        stdout, _ = first.communicate(timeout=300)
+    assert second.returncode == 2 and second.stderr.strip().splitlines() == [
+        f"error: {out} is in use by pid {first.pid} on {os.uname().nodename} (prepare refused); "
+        "wait for it or use another folder"
+    ]
+    assert first.returncode == 0 and stdout.startswith("prepared: ")
+    shards.verify_split(out, shards.read_manifest(out), "train")
+    assert not (out / STATE_FILE).exists()
+
+
 class Interrupt(Exception):
     """Stands in for a crash: not a UserError, so prepare keeps what it wrote."""
 
@@ -463,13 +504,15 @@ def test_interrupted_inside_long_documents_resumes_exactly(
     from accel_gpt.data import pipeline
 
     text = shakespeare_path.read_text()
-    src = _save_jsonl(tmp_path / "long_docs.jsonl", [text[:100_000], "short", text[100_000:]])
+    rows = [None, text[:100_000], None, "short", None, text[100_000:], None]  # null rows are counted across a resume
+    src = _save_jsonl(tmp_path / "long_docs.jsonl", rows)
     # documents of 10 and 15 pieces; about 20 shards, so every stop below is mid-way
     base = dict(tokenizer=tokenizer, shard_size=4_001, val_tokens=10_000, task_chars=10_000)
     if tokenizer == "char":
         base["shard_size"] = 13_003
     prepare(opts(tmp_path, src, "reference", **base))
-    assert sum(map(len, shards.read_manifest(tmp_path / "reference")["splits"].values())) >= 15
+    reference = shards.read_manifest(tmp_path / "reference")
+    assert sum(map(len, reference["splits"].values())) >= 15 and reference["skipped_null"] == 4
     commit = pipeline.StreamWriter._commit
     for stop_after in (1, 4, 11):
         calls = {"n": 0}
@@ -569,3 +612,164 @@ def test_only_sources_imports_datasets() -> None:
         "print(sorted({'datasets', 'pyarrow', 'torch'} & set(sys.modules)))"
     )
     assert run_cmd([sys.executable, "-c", code]).stdout.strip() == "[]"
+
+
+# --- nothing lost, nothing silently wrong -------------------------------------------------------------------------
+
+
+def test_rows_without_text_are_counted_not_made_documents(tmp_path: Path, tok, capsys) -> None:
+    """A null text and a row without the column are skipped and reported; an empty string is an empty document."""
+    rows = [{"text": "first"}, {"text": None}, {"id": 7}, {"text": ""}, {"text": "last"}]
+    (src := tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cli_main(["prepare", "--dataset", str(src), "--out_dir", str(tmp_path / "out")])
+    assert documents_of(stream(tmp_path / "out"), tok) == ["first", "", "last"]
+    manifest = shards.read_manifest(tmp_path / "out")
+    assert manifest["skipped_null"] == 2 and manifest["documents"] == {"train": 3}
+    assert "prepared: 3 documents (skipped 2 rows with no text)" in capsys.readouterr().out
+    cli_main(["prepare", "--dataset", str(src), "--out_dir", str(tmp_path / "out")])
+    assert "already prepared: 3 documents (skipped 2 rows with no text)" in capsys.readouterr().out
+
+
+def test_char_shards_record_their_largest_id(tmp_path: Path) -> None:
+    (src := tmp_path / "s.txt").write_text("abcabc zzz a")
+    prepare(opts(tmp_path, src, tokenizer="char", shard_size=4))
+    manifest = shards.read_manifest(tmp_path / "out")
+    arrays = shards.open_split(tmp_path / "out", manifest, "train")
+    # vocabulary " abcz": "abca" "bc z" "zz a"
+    assert [e["max_id"] for e in manifest["splits"]["train"]] == [int(a.max()) for a in arrays] == [3, 4, 4]
+
+
+def test_a_second_prepare_into_a_locked_folder_is_refused(tmp_path: Path, docs: list[str], capsys) -> None:
+    """The holder is simulated in this process (the two-process case is a slow test): nothing is written."""
+    from accel_gpt.files import locked
+
+    src = write_txt(tmp_path / "docs.txt", docs)
+    (out := tmp_path / "out").mkdir()
+    with locked(out, "prepare"):
+        line = _cli_error(capsys, ["--dataset", str(src), "--out_dir", str(out)])
+        assert line == f"error: {out} is in use by pid {os.getpid()} on {os.uname().nodename} (prepare refused); " + (
+            "wait for it or use another folder"
+        )
+        assert [p.name for p in out.iterdir()] == [LOCK]
+        line = _cli_error(capsys, ["--merge", "--out_dir", str(out)])
+        assert "is in use by pid" in line and "(prepare --merge refused)" in line
+    prepare(opts(tmp_path, src))  # free again
+
+
+def test_parts_into_a_single_part_folder_are_refused(tmp_path: Path, docs: list[str], capsys) -> None:
+    """A merge would overwrite the single run's manifest and orphan its shards; parts of another count would never
+    merge. Both are refused before anything is written."""
+    src = write_txt(tmp_path / "docs.txt", docs)
+    prepare(opts(tmp_path, src, "single"))
+    before = files_of(tmp_path / "single")
+    for index in (0, 1):
+        argv = ["--dataset", str(src), "--out_dir", str(tmp_path / "single"), "--num_shards", "2"]
+        line = _cli_error(capsys, [*argv, "--shard_index", str(index)])
+        assert "holds a single-part prepare; a prepare in 2 parts (--num_shards) needs its own folder" in line
+    assert files_of(tmp_path / "single") == before and not list((tmp_path / "single").glob("part-*"))
+    prepare(opts(tmp_path, src, "multi", num_shards=3, shard_index=0))
+    argv = ["--dataset", str(src), "--out_dir", str(tmp_path / "multi"), "--num_shards", "2", "--shard_index", "0"]
+    assert "holds parts of another part count (part-00000-of-00003)" in _cli_error(capsys, argv)
+    assert [p.name for p in (tmp_path / "multi").iterdir()] == ["part-00000-of-00003"]
+
+
+def test_more_parts_than_rows_is_one_line(tmp_path: Path, capsys) -> None:
+    (src := tmp_path / "one.txt").write_text("a single paragraph")
+    argv = ["--dataset", str(src), "--out_dir", str(tmp_path / "out"), "--num_shards", "2", "--shard_index", "1"]
+    assert _cli_error(capsys, argv) == (
+        "error: --num_shards 2 splits the input into more parts than it has documents (1): every part needs at least "
+        "one; use --num_shards 1 or fewer"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_changed_input_is_not_already_prepared(tmp_path: Path, docs: list[str], capsys) -> None:
+    src = write_txt(tmp_path / "docs.txt", docs)
+    argv = ["--dataset", str(src), "--out_dir", str(tmp_path / "out")]
+    cli_main(["prepare", *argv])
+    before = files_of(tmp_path / "out")
+    with src.open("a") as f:
+        f.write("\n\none more paragraph")
+    line = _cli_error(capsys, argv)
+    out = tmp_path / "out"
+    assert f"the input changed since the finished prepare in out_dir '{out}' read it (docs.txt: size " in line
+    assert line.endswith(f"delete '{tmp_path / 'out'}' to prepare it again, or use another --out_dir")
+    write_txt(src, docs)  # the same bytes again, but written later: the modification time tells
+    assert "(docs.txt: modified since)" in _cli_error(capsys, argv)
+    assert files_of(tmp_path / "out") == before
+
+
+def test_changed_input_is_not_resumed(tmp_path: Path, docs: list[str], monkeypatch, capsys) -> None:
+    from accel_gpt.data import pipeline
+
+    src = write_txt(tmp_path / "docs.txt", docs)
+    commit = pipeline.StreamWriter._commit
+
+    def crashing_commit(self, resume):
+        commit(self, resume)
+        raise Interrupt
+
+    monkeypatch.setattr(pipeline.StreamWriter, "_commit", crashing_commit)
+    with pytest.raises(Interrupt):
+        prepare(opts(tmp_path, src, shard_size=1000))
+    monkeypatch.undo()
+    write_txt(src, docs[::-1])
+    line = _cli_error(capsys, ["--dataset", str(src), "--out_dir", str(tmp_path / "out"), "--shard_size", "1000"])
+    assert "the input changed since the interrupted prepare in out_dir" in line and "(docs.txt: " in line
+
+
+@pytest.mark.parametrize("garble", ["truncated", "missing_key"])
+def test_garbled_state_file_is_one_line(garble: str, tmp_path: Path, docs: list[str], monkeypatch, capsys) -> None:
+    from accel_gpt.data import pipeline
+
+    src = write_txt(tmp_path / "docs.txt", docs)
+    commit = pipeline.StreamWriter._commit
+
+    def crashing_commit(self, resume):
+        commit(self, resume)
+        raise Interrupt
+
+    monkeypatch.setattr(pipeline.StreamWriter, "_commit", crashing_commit)
+    with pytest.raises(Interrupt):
+        prepare(opts(tmp_path, src, shard_size=1000))
+    monkeypatch.undo()
+    state = tmp_path / "out" / STATE_FILE
+    raw = state.read_text()
+    state.write_text(raw[: len(raw) // 2] if garble == "truncated" else json.dumps({"identity": {}}))
+    before = files_of(tmp_path / "out")
+    line = _cli_error(capsys, ["--dataset", str(src), "--out_dir", str(tmp_path / "out"), "--shard_size", "1000"])
+    error = "JSONDecodeError" if garble == "truncated" else "KeyError"
+    assert line.startswith(f"error: {state}, the record of an interrupted prepare, is unreadable ({error}")
+    assert line.endswith(f"it cannot be resumed; delete '{tmp_path / 'out'}' and prepare again")
+    assert files_of(tmp_path / "out") == before
+
+
+def test_disk_full_keeps_the_finished_shards_for_a_resume(tmp_path: Path, docs: list[str], monkeypatch, capsys):
+    """ENOSPC from the shard writer (what a full disk raises): one line, finished shards and state kept, no
+    temporaries; the same command then resumes to the bytes of an uninterrupted run."""
+    import errno
+
+    src = write_txt(tmp_path / "docs.txt", docs)
+    argv = ["--dataset", str(src), "--shard_size", "1000", "--val_tokens", "1500"]
+    cli_main(["prepare", *argv, "--out_dir", str(tmp_path / "reference")])
+    write, calls = shards.ShardWriter.write, {"n": 0}
+
+    def full_disk(self, tokens):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(self, tokens)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(shards.ShardWriter, "write", full_disk)
+    line = _cli_error(capsys, [*argv, "--out_dir", str(out)])
+    monkeypatch.undo()
+    kept = json.loads((out / STATE_FILE).read_text())["shards"]
+    assert len(kept) >= 1 and line == (
+        f"error: cannot write to out_dir '{out}': no space left on the device; {len(kept)} finished shard(s) kept: "
+        f"make room and run the same command again to resume, or delete '{out}'"
+    )
+    assert sorted(p.name for p in out.iterdir() if p.name != LOCK) == sorted([STATE_FILE, *(e["file"] for e in kept)])
+    cli_main(["prepare", *argv, "--out_dir", str(out)])
+    assert capsys.readouterr().out.startswith("resumed and prepared: ")
+    assert files_of(out) == files_of(tmp_path / "reference")

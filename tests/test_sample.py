@@ -3,17 +3,19 @@ wrapped models, prompt encoding, the CLI."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import python_cmd, run_cmd
 
-from accel_gpt.errors import UserError
-from accel_gpt.generate import encode_prompt, generate, sample_texts
+from accel_gpt.cli import parse
+from accel_gpt.errors import ConfigError, UserError
+from accel_gpt.generate import encode_prompt, generate, sample_texts, usable_device
 from accel_gpt.model import GPT, GPTConfig, KVCache
 from accel_gpt.tokenizer import Tokenizer
-from accel_gpt.weights import ModelCard, load_model, save_weights
+from accel_gpt.weights import MODEL_CONFIG, ModelCard, load_model, save_weights
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=64, vocab_size=50304)
 
@@ -148,6 +150,33 @@ def test_prompt_encoding_errors_are_user_errors() -> None:
         encode_prompt(chars, "Hi")
     with pytest.raises(UserError, match="the prompt is empty and this tokenizer has no end-of-text token"):
         encode_prompt(chars, "")
+
+
+def test_device_is_checked_before_the_model_loads() -> None:
+    assert usable_device("cpu") == torch.device("cpu")
+    with pytest.raises(UserError, match="^--device 'gpu0' is not a device name"):
+        usable_device("gpu0")
+    with pytest.raises(UserError, match="^--device meta holds no weights"):
+        usable_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="^--device cuda cannot be used here: "):
+            usable_device("cuda")
+
+
+def test_truncated_model_config_is_one_line(checkpoint: Path, tmp_path: Path) -> None:
+    shutil.copytree(checkpoint, tmp_path / "ckpt")
+    config = tmp_path / "ckpt" / MODEL_CONFIG
+    config.write_text(config.read_text()[:40])
+    with pytest.raises(UserError) as err:
+        load_model(tmp_path / "ckpt")
+    assert str(err.value).startswith(f"{config} is not a readable accel_gpt model config (JSONDecodeError: ")
+    assert "\n" not in str(err.value)
+
+
+def test_non_finite_temperature_is_refused_by_the_config() -> None:
+    for value in ("nan", "inf", "-inf"):  # `=` keeps argparse from taking -inf for a flag
+        with pytest.raises(ConfigError, match=f"^temperature={value} must be a finite number$"):
+            parse(["sample", "--checkpoint", "x", f"--temperature={value}"])
 
 
 @pytest.mark.slow

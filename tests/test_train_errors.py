@@ -109,3 +109,30 @@ def test_cli_exit_has_no_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: data_dir")
+
+
+def test_token_id_beyond_the_model_vocabulary(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """Shards that agree with their manifest (sizes, checksums) but hold an id the embedding has no row for."""
+    bad = small_vocab_shards(tmp_path / "bad", [*range(500), 700, *range(100)])
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(bad))
+    assert "hold token id 700" in err and "vocab_size is 512" in err
+
+
+@pytest.mark.parametrize(
+    ("log_with", "expected"), [("tb", "did you mean tensorboard?"), ("bogus", "tensorboard, wandb")]
+)
+def test_unknown_tracker(
+    capsys: pytest.CaptureFixture, tmp_path: Path, data: Path, log_with: str, expected: str
+) -> None:
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(data), "--log_with", log_with)
+    assert f"log_with '{log_with}' is not a tracker" in err and expected in err
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_tracker_not_installed(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path, tracker: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(tracker):
+        pytest.skip(f"{tracker} is installed here")
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(data), "--log_with", tracker)
+    assert f'{tracker} is not installed; pip install -e ".[{tracker}]"' in err

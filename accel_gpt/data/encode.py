@@ -12,12 +12,13 @@ Two facts shape the hot path (measured in bench/RESULTS.md):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from accel_gpt.errors import DataError
+from accel_gpt.errors import DataError, UserError
 from accel_gpt.tokenizer import Tokenizer, char_vocabulary
 
 # The cut goes just before one of these, and only where the character before it is not whitespace.
@@ -26,19 +27,36 @@ _CUT_BEFORE = ("\n", " ")
 
 @dataclass
 class Task:
-    """Pieces of documents for one worker call: `first` marks a document's first piece, `docs` its row index."""
+    """Pieces of documents for one worker call: `first` marks a document's first piece, `docs` its row index,
+    `nulls` how many rows without text came before that row (the count a resume from there starts with)."""
 
     texts: list[str] = field(default_factory=list)
     first: list[bool] = field(default_factory=list)
     docs: list[int] = field(default_factory=list)
+    nulls: list[int] = field(default_factory=list)
     chars: int = 0
 
 
-def make_tasks(texts: Iterable[str], first_doc: int, task_chars: int) -> Iterator[Task]:
+@dataclass
+class NullRows:
+    """Rows without text (null or missing) read so far: skipped, never made into empty documents, and counted so
+    that the summary and the manifest report them. Starts from the resume point's count on a resume."""
+
+    count: int = 0
+
+
+def make_tasks(
+    texts: Iterable[str | None], first_doc: int, task_chars: int, nulls: NullRows | None = None
+) -> Iterator[Task]:
     """Group documents into tasks of at most `task_chars` characters; cut longer documents into safe pieces (a
-    document without a safe cut stays whole and makes an oversized task). Rows are numbered from `first_doc`."""
+    document without a safe cut stays whole and makes an oversized task). Rows are numbered from `first_doc`; a row
+    that is None is skipped and counted in `nulls`, keeping the numbering (a resume point is a row index)."""
+    nulls = NullRows() if nulls is None else nulls
     task = Task()
     for doc, text in enumerate(texts, start=first_doc):
+        if text is None:
+            nulls.count += 1
+            continue
         pieces = iter_pieces(text, task_chars) if len(text) > task_chars else (text,)
         for k, piece in enumerate(pieces):
             if task.texts and task.chars + len(piece) > task_chars:
@@ -47,6 +65,7 @@ def make_tasks(texts: Iterable[str], first_doc: int, task_chars: int) -> Iterato
             task.texts.append(piece)
             task.first.append(k == 0)
             task.docs.append(doc)
+            task.nulls.append(nulls.count)
             task.chars += len(piece)
             if task.chars >= task_chars:
                 yield task
@@ -131,5 +150,11 @@ def unique_chars(tok: Tokenizer, texts: list[str], first: list[bool]) -> str:
 
 
 def warm_gpt2() -> None:
-    """Worker initializer: load the BPE ranks (about 0.1 s) while the main process is still opening the dataset."""
-    Tokenizer("gpt2").encode("")
+    """Worker initializer: load the BPE ranks (about 0.1 s) while the main process is still opening the dataset.
+
+    Only a head start: if the BPE files cannot be loaded, the first task fails with the tokenizer's one-line error,
+    which reaches the main process. Raising here instead would kill the worker, and the pool would start a new
+    one, forever.
+    """
+    with contextlib.suppress(UserError):
+        Tokenizer("gpt2").encode("")

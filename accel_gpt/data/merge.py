@@ -49,6 +49,8 @@ def merge_manifests(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             documents[split] = documents.get(split, 0) + n
     merged = {k: v for k, v in first.items() if k not in ("format", "version", "part")}
     merged.update(splits=splits, tokens=tokens, documents=documents)
+    if any("skipped_null" in m for _, m in parts):  # rows without text, summed like the documents
+        merged["skipped_null"] = sum(m.get("skipped_null", 0) for _, m in parts)
     merged["parts"] = [
         {"dir": name, "tokens": m.get("tokens", {}), "documents": m.get("documents", {})} for name, m in parts
     ]
@@ -88,8 +90,11 @@ def merge_parts(out_dir: str | Path, checksums: bool = True) -> dict[str, Any]:
     return merged
 
 
+def all_parts_finished(out_dir: Path, count: int) -> bool:
+    return all((out_dir / part_dir_name(i, count) / shards.MANIFEST).is_file() for i in range(count))
+
+
 def merge_if_complete(out_dir: Path, count: int) -> None:
     """The last part to finish merges (each part verified its own shards, so sizes are checked, not checksums)."""
-    names = [part_dir_name(i, count) for i in range(count)]
-    if all((out_dir / n / shards.MANIFEST).is_file() for n in names):
+    if all_parts_finished(out_dir, count):
         merge_parts(out_dir, checksums=False)

@@ -74,22 +74,26 @@ class Workers:
 class Resume:
     """Where a stream stands: `position` tokens of stream `stream` are in shards; they end `offset` tokens into
     document `doc` (the document of the last written token, so 0 < offset <= its length, or all zero at the start).
+    `nulls` counts the rows without text before that row, in this stream and the finished ones before it.
     """
 
     stream: int = 0
     doc: int = 0
     offset: int = 0
     position: int = 0
+    nulls: int = 0
 
 
 @dataclass
 class State:
-    """What `.prepare_state.json` holds: the arguments, the char vocabulary, the finished shards, the resume point."""
+    """What `.prepare_state.json` holds: the arguments, the char vocabulary, the finished shards, the resume point,
+    and the local input files as they were (`Source.inputs`), so that a resume on changed text is refused."""
 
     identity: dict[str, Any]
     chars: str | None = None
-    shards: list[dict[str, Any]] = field(default_factory=list)  # split, file, tokens, sha256, documents, resume
+    shards: list[dict[str, Any]] = field(default_factory=list)  # split, file, tokens, sha256, documents, max_id, resume
     resume: Resume = field(default_factory=Resume)
+    inputs: list[dict[str, Any]] | None = None
 
     def save(self, data_dir: Path) -> None:
         atomic_write_json(data_dir / STATE_FILE, asdict(self), indent=1)
@@ -99,8 +103,17 @@ class State:
         path = data_dir / STATE_FILE
         if not path.is_file():
             return None
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        return cls(raw["identity"], raw["chars"], raw["shards"], Resume(**raw["resume"]))
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            state = cls(raw["identity"], raw["chars"], raw["shards"], Resume(**raw["resume"]), raw.get("inputs"))
+            for entry in state.shards:
+                _check_entry(entry)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise DataError(
+                f"{path}, the record of an interrupted prepare, is unreadable ({type(e).__name__}: {e}): it cannot be "
+                f"resumed; delete '{data_dir}' and prepare again"
+            ) from None
+        return state
 
     def keep_intact_shards(self, data_dir: Path, dtype: np.dtype) -> None:
         """Check the recorded shards (size, sha256); from the first missing or changed one on, prepare again."""
@@ -126,6 +139,14 @@ class State:
         return out
 
 
+def _check_entry(entry: Any) -> None:
+    """A recorded shard holds what a resume reads from it (KeyError or TypeError otherwise: a garbled state)."""
+    missing = {"split", "file", "tokens", "sha256", "documents", "resume"} - set(entry)
+    if missing:
+        raise KeyError(f"a shard record lacks {', '.join(sorted(missing))}")
+    Resume(**entry["resume"])
+
+
 class StreamWriter:
     """Cuts stream `index` into fixed-size shards ('val' below `val_tokens`, then `split`), and after each finished
     shard saves the state with the point to resume from. A document is counted in the shard holding its first token.
@@ -141,7 +162,7 @@ class StreamWriter:
         self.skip_until = r.position  # tokens before this are in shards already
         self.doc_begin = self.pos  # where the document of the next continuation piece began
         self.shard: shards.ShardWriter | None = None
-        self.shard_split, self.shard_end, self.shard_docs = "", 0, 0
+        self.shard_split, self.shard_end, self.shard_docs, self.shard_max = "", 0, 0, -1
 
     def feed(self, task: Task, tokens: np.ndarray, lengths: np.ndarray) -> int:
         """Write one task's tokens; return how many went to shards (fewer while skipping to the resume point)."""
@@ -160,26 +181,30 @@ class StreamWriter:
             if self.shard is None:
                 self._open(pos)
             take = min(tokens.size - i, self.shard_end - pos)
-            self.shard.write(tokens[i : i + take])
+            chunk = tokens[i : i + take]
+            self.shard.write(chunk)
+            self.shard_max = max(self.shard_max, int(chunk.max()))  # take > 0: the shard ends after pos
             self.shard_docs += int(np.searchsorted(starts, pos + take) - np.searchsorted(starts, pos))
             i += take
             written += take
             if pos + take == self.shard_end:
                 j = int(np.searchsorted(ends, pos + take - 1, side="right"))  # piece holding the last written token
-                self._commit(Resume(self.index, task.docs[j], pos + take - int(doc_begin[j]), pos + take))
+                offset = pos + take - int(doc_begin[j])
+                self._commit(Resume(self.index, task.docs[j], offset, pos + take, task.nulls[j]))
         self.pos = base + tokens.size
         if first.size:
             self.doc_begin = int(doc_begin[-1])
         return written
 
-    def finish(self) -> None:
-        """End of the stream: close the last, shorter shard and point the state at the next stream."""
+    def finish(self, nulls: int) -> None:
+        """End of the stream: close the last, shorter shard and point the state at the next stream. `nulls`: the
+        rows without text up to the end of this stream (`NullRows.count`)."""
         if self.skip_until > self.pos:
             raise DataError(
                 f"the input gives fewer tokens ({self.pos:,}) than an earlier, interrupted run of this prepare already "
                 f"wrote ({self.skip_until:,}): it changed since; delete '{self.data_dir}' and prepare again"
             )
-        nxt = Resume(self.index + 1)
+        nxt = Resume(self.index + 1, nulls=nulls)
         if self.shard is not None:
             self._commit(nxt)
         else:
@@ -187,14 +212,19 @@ class StreamWriter:
             self.state.save(self.data_dir)
 
     def abort(self) -> None:
-        if self.shard is not None:
-            self.shard.abort()
-            self.shard = None
+        """Drop the unfinished shard's temporary. On a full disk closing it fails too (the buffered tail cannot be
+        flushed; the file is closed all the same), and the temporary would stay, holding the space a resume needs."""
+        shard, self.shard = self.shard, None
+        if shard is not None:
+            try:
+                shard.abort()
+            except OSError:
+                shard.tmp.unlink(missing_ok=True)
 
     def _open(self, pos: int) -> None:
         split = "val" if pos < self.val_tokens else self.split
         self.shard = shards.ShardWriter(self.data_dir, split, self.state.count(split), self.dtype)
-        self.shard_split, self.shard_docs = split, 0
+        self.shard_split, self.shard_docs, self.shard_max = split, 0, -1
         self.shard_end = pos + self.shard_size
         if split == "val" and self.val_tokens:
             self.shard_end = min(self.shard_end, self.val_tokens)
@@ -203,7 +233,13 @@ class StreamWriter:
         entry = self.shard.close()
         self.shard = None
         self.state.shards.append(
-            {"split": self.shard_split, **entry, "documents": self.shard_docs, "resume": asdict(resume)}
+            {
+                "split": self.shard_split,
+                **entry,
+                "documents": self.shard_docs,
+                "max_id": self.shard_max,  # lets the trainer refuse ids beyond its vocabulary without reading shards
+                "resume": asdict(resume),
+            }
         )
         self.state.resume = resume
         self.state.save(self.data_dir)

@@ -28,7 +28,14 @@ The choices a reader needs before the code:
   its written part. Output is a function of the data and the arguments only (not of num_proc, the kill, or the
   task size), so a killed-and-resumed run writes the same bytes as an uninterrupted one. `manifest.json` is written
   last, and only then is the state file removed. A re-run with other arguments is refused, naming the differences;
-  a bad input (UserError) removes everything this prepare wrote.
+  so is a re-run whose local input files changed (their sizes and modification times are in the manifest's
+  `source.inputs` and in the state). A bad input (UserError) removes everything this prepare wrote; a full or
+  read-only disk stops with one line and keeps the finished shards for the resume.
+- **One writer per folder**: a prepare holds `files.locked` on its folder (the part folder, and out_dir while
+  merging), so a second prepare into it is refused in one line instead of writing the same shards.
+- **What the manifest records beyond the format**: each shard's largest token id (`max_id`, so the trainer can
+  refuse ids beyond its vocabulary without reading shards), and `skipped_null`: rows whose text is null or missing
+  are no documents (not even empty ones); they are counted and reported in the summary line.
 - **Several machines** (`merge.py`): `--num_shards K --shard_index i`, or `RANK`/`WORLD_SIZE` from
   `accelerate launch`/torchrun, makes this process prepare part i of the input into `out_dir/part-0000i-of-0000K/`.
   Non-streaming parts are contiguous row ranges, so the parts in order are the whole input in order; streaming
@@ -40,24 +47,30 @@ The choices a reader needs before the code:
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from accel_gpt.config import PrepareConfig
 from accel_gpt.data import shards
-from accel_gpt.data.encode import encode_pieces, make_tasks, unique_chars, warm_gpt2
-from accel_gpt.data.merge import merge_if_complete, merge_parts, part_dir_name
+from accel_gpt.data.encode import NullRows, encode_pieces, make_tasks, unique_chars, warm_gpt2
+from accel_gpt.data.merge import all_parts_finished, merge_if_complete, merge_parts, part_dir_name
 from accel_gpt.data.pipeline import STATE_FILE, State, StreamWriter, Workers
 from accel_gpt.data.sources import Source, Stream, open_streams, resolve_source
 from accel_gpt.errors import ConfigError, DataError, UserError
-from accel_gpt.files import TMP_MARK, remove_temporaries
+from accel_gpt.files import LOCK, TMP_MARK, locked, remove_temporaries
 from accel_gpt.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
+# Errors of a full or read-only disk: one line, and what was written stays for a resume.
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 # Settings that change speed or where the output goes, never its bytes: a re-run may change them.
 _NOT_IDENTITY = ("out_dir", "num_proc", "task_chars", "merge", "config")
 _SPLIT_ORDER = {"train": 0, "val": 1}
@@ -113,12 +126,14 @@ class Summary:
     tokens: dict[str, int]
     shards: dict[str, int]
     seconds: float
+    skipped_null: int = 0  # rows whose text was null or missing
 
     @classmethod
     def of(cls, status: str, data_dir: Path, manifest: dict[str, Any], seconds: float) -> Summary:
         tokens = {s: sum(e["tokens"] for e in entries) for s, entries in manifest["splits"].items()}
         counts = {s: len(entries) for s, entries in manifest["splits"].items()}
-        return cls(status, data_dir, dict(manifest.get("documents", {})), tokens, counts, seconds)
+        documents = dict(manifest.get("documents", {}))
+        return cls(status, data_dir, documents, tokens, counts, seconds, int(manifest.get("skipped_null") or 0))
 
     def line(self) -> str:
         per_split = ", ".join(
@@ -129,8 +144,9 @@ class Summary:
         total = sum(self.tokens.values())
         tokenized = self.status in ("prepared", "resumed and prepared")
         rate = f", {total / self.seconds / 1e6:.2f}M tokens/s" if tokenized else ""
+        skipped = f" (skipped {self.skipped_null:,} rows with no text)" if self.skipped_null else ""
         return (
-            f"{self.status}: {sum(self.documents.values()):,} documents, {total:,} tokens ({per_split}) "
+            f"{self.status}: {sum(self.documents.values()):,} documents{skipped}, {total:,} tokens ({per_split}) "
             f"in {self.seconds:.1f}s{rate} -> {self.out_dir}"
         )
 
@@ -139,7 +155,7 @@ def run_prepare(cfg: PrepareConfig) -> None:
     """CLI entry: prepare (or, with --merge, only merge the finished parts), then print one summary line."""
     if cfg.merge:
         start = time.perf_counter()
-        merged = merge_parts(cfg.out_dir)
+        merged = _merge_by_hand(Path(cfg.out_dir))
         print(Summary.of("merged", Path(cfg.out_dir), merged, time.perf_counter() - start).line())
         return
     print(prepare(cfg).line())
@@ -150,23 +166,42 @@ def prepare(cfg: PrepareConfig) -> Summary:
     start = time.perf_counter()
     job = Job.of(cfg)
     source = resolve_source(cfg.dataset)  # a missing path fails before anything is created
-    with Workers(cfg.num_proc, warm_gpt2 if cfg.tokenizer == "gpt2" else None) as workers:
-        return _prepare(job, source, workers, start)
+    _refuse_other_layout(job)
+    with _output_folder(job.data_dir):
+        with Workers(cfg.num_proc, warm_gpt2 if cfg.tokenizer == "gpt2" else None) as workers:
+            return _prepare(job, source, workers, start)
+
+
+@contextlib.contextmanager
+def _output_folder(data_dir: Path) -> Iterator[None]:
+    """Create `data_dir` (proved writable) and hold its lock while this prepare works in it: a second prepare into
+    the same folder would resume from the same state and write the same shards. On a UserError the lock file (when
+    this run made it; removed while still held) and the folders this run created are removed again, so bad input
+    leaves nothing behind. After a prepare the lock file stays: removing a lock file others may have opened would
+    let two writers lock two different files."""
+    created = _make_dirs(data_dir)
+    fresh_lock = not (data_dir / LOCK).exists()
+    try:
+        with locked(data_dir, "prepare"):
+            try:
+                yield
+            except UserError:
+                if fresh_lock:
+                    (data_dir / LOCK).unlink(missing_ok=True)
+                raise
+    except UserError:
+        _remove_dirs(created)
+        raise
 
 
 def _prepare(job: Job, source: Source, workers: Workers, start: float) -> Summary:
     data_dir = job.data_dir
-    created = _make_dirs(data_dir)
-    try:
-        if (data_dir / shards.MANIFEST).is_file():
-            return _verify_finished(job, start)
-        state = _load_state(job)
-        streams = open_streams(source, job.cfg, job.index, job.count)
-    except UserError:
-        _remove_dirs(created)
-        raise
+    if (data_dir / shards.MANIFEST).is_file():
+        return _verify_finished(job, source, start)
+    state = _load_state(job, source)
+    streams = open_streams(source, job.cfg, job.index, job.count)
     resumed = state is not None
-    state = state or State(identity=job.identity())
+    state = state or State(identity=job.identity(), inputs=source.inputs())
     if resumed:
         state.keep_intact_shards(data_dir, Tokenizer(job.cfg.tokenizer, state.chars or "").dtype)
     remove_temporaries(data_dir)
@@ -178,13 +213,78 @@ def _prepare(job: Job, source: Source, workers: Workers, start: float) -> Summar
         shards.write_manifest(data_dir, manifest)
     except UserError:
         _discard(data_dir)
-        _remove_dirs(created)
         raise
+    except OSError as e:
+        if e.errno not in _WRITE_ERRNOS:
+            raise
+        raise _write_error(e, data_dir, len(state.shards)) from None
     (data_dir / STATE_FILE).unlink()
-    if job.count > 1:
-        merge_if_complete(Path(job.cfg.out_dir), job.count)
+    _merge_if_complete(job)
     status = "resumed and prepared" if resumed else "prepared"
     return Summary.of(status, data_dir, manifest, time.perf_counter() - start)
+
+
+def _write_error(e: OSError, data_dir: Path, kept: int) -> DataError:
+    """A full or read-only disk while writing: one line. What is written stays: the same command resumes from the
+    shards already finished (a half-written shard is only ever a temporary, removed on the way out)."""
+    what = "no space left on the device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+    return DataError(
+        f"cannot write to out_dir '{data_dir}': {what}; {kept} finished shard(s) kept: make room and run the same "
+        f"command again to resume, or delete '{data_dir}'"
+    )
+
+
+def _refuse_other_layout(job: Job) -> None:
+    """Parts and a single-part prepare cannot share out_dir: a merge would overwrite the single run's manifest and
+    orphan its shards (the single-part path refuses parts through its own checks). Parts of another count cannot be
+    merged either. Checked before anything is created."""
+    out_dir = Path(job.cfg.out_dir)
+    if job.count == 1 or not out_dir.is_dir():
+        return
+    manifest = out_dir / shards.MANIFEST
+    single = (out_dir / STATE_FILE).is_file() or any(_is_shard(p.name) for p in out_dir.glob("*.bin"))
+    if manifest.is_file() and not single:
+        single = "parts" not in shards.read_manifest(out_dir)
+    if single:
+        raise DataError(
+            f"out_dir '{out_dir}' holds a single-part prepare; a prepare in {job.count} parts (--num_shards) needs "
+            "its own folder: use another --out_dir or delete it"
+        )
+    others = sorted(p.name for p in out_dir.glob("part-*-of-*") if not p.name.endswith(f"-of-{job.count:05d}"))
+    if others:
+        raise DataError(
+            f"out_dir '{out_dir}' holds parts of another part count ({', '.join(others[:3])}); a prepare in "
+            f"{job.count} parts needs its own folder: use another --out_dir or delete it"
+        )
+
+
+def _merge_if_complete(job: Job) -> None:
+    """The part that finishes last merges, under out_dir's lock. If another process holds it, that one is merging
+    (two parts finished together) or writing there: this part's work is done either way, so it only says so."""
+    out_dir = Path(job.cfg.out_dir)
+    if job.count == 1 or not all_parts_finished(out_dir, job.count):
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(locked(out_dir, "the merge of the parts"))
+        except UserError as busy:
+            log.warning("%s; if the parts are not merged then, run `prepare --merge --out_dir %s`", busy, out_dir)
+            return
+        try:
+            merge_if_complete(out_dir, job.count)
+        except OSError as e:
+            raise DataError(f"cannot write the merged manifest in '{out_dir}': {e.strerror or e}") from None
+
+
+def _merge_by_hand(out_dir: Path) -> dict[str, Any]:
+    """`--merge`: merge_parts under out_dir's lock, so that it never runs beside a prepare writing there."""
+    if not out_dir.is_dir():
+        raise DataError(f"no part-*-of-* folders in '{out_dir}' to merge (no such folder)")
+    try:
+        with locked(out_dir, "prepare --merge"):
+            return merge_parts(out_dir)
+    except OSError as e:
+        raise DataError(f"cannot write the merged manifest in '{out_dir}': {e.strerror or e}") from None
 
 
 def _make_dirs(data_dir: Path) -> list[Path]:
@@ -217,30 +317,55 @@ def _check_identity(found: dict[str, Any], job: Job, what: str) -> None:
         )
 
 
-def _verify_finished(job: Job, start: float) -> Summary:
-    """A finished prepare with the same arguments: check every shard's size and sha256, change nothing."""
+def _check_inputs(recorded: list[dict[str, Any]] | None, source: Source, what: str, data_dir: Path) -> None:
+    """The local input files are those `what` read (same names, sizes and modification times): a prepare of text
+    that has changed since must not pass for the output of today's text."""
+    current = source.inputs()
+    if recorded is None or current is None or recorded == current:
+        return  # a hub id or URL, or a record from before inputs were recorded: nothing to compare
+    was, now = {r["file"]: r for r in recorded}, {r["file"]: r for r in current}
+    changed = sorted(n for n in was.keys() & now.keys() if was[n] != now[n])
+    if changed:
+        name = changed[0]
+        size = f"size {was[name]['size']:,} -> {now[name]['size']:,} bytes"
+        detail = f"{name}: " + (size if was[name]["size"] != now[name]["size"] else "modified since")
+    else:
+        added, removed = sorted(now.keys() - was.keys()), sorted(was.keys() - now.keys())
+        detail = f"new file {added[0]}" if added else f"file {removed[0]} is gone"
+    raise DataError(
+        f"the input changed since {what} in out_dir '{data_dir}' read it ({detail}); delete '{data_dir}' to "
+        "prepare it again, or use another --out_dir"
+    )
+
+
+def _verify_finished(job: Job, source: Source, start: float) -> Summary:
+    """A finished prepare with the same arguments and input: check every shard's size and sha256, change nothing."""
     data_dir = job.data_dir
     manifest = shards.read_manifest(data_dir)
     _check_identity(manifest.get("args", {}), job, "a finished prepare")
+    _check_inputs(manifest.get("source", {}).get("inputs"), source, "the finished prepare", data_dir)
     for split in manifest["splits"]:
         try:
             shards.verify_split(data_dir, manifest, split)
         except DataError as e:
             raise DataError(f"{e}; delete '{data_dir}' and prepare again") from None
     (data_dir / STATE_FILE).unlink(missing_ok=True)  # left if a kill came between the manifest and its removal
-    if job.count > 1:
-        merge_if_complete(Path(job.cfg.out_dir), job.count)
+    _merge_if_complete(job)
     return Summary.of("already prepared", data_dir, manifest, time.perf_counter() - start)
 
 
-def _load_state(job: Job) -> State | None:
-    """The state of an interrupted run of the same command, or None for a fresh start in an empty folder."""
+def _load_state(job: Job, source: Source) -> State | None:
+    """The state of an interrupted run of the same command on the same input, or None for a fresh start in an
+    empty folder."""
     data_dir = job.data_dir
     state = State.load(data_dir)
     if state is not None:
         _check_identity(state.identity, job, "an interrupted prepare")
+        _check_inputs(state.inputs, source, "the interrupted prepare", data_dir)
         return state
-    leftovers = [p.name for p in data_dir.iterdir() if not (p.name.startswith(".") and TMP_MARK in p.name)]
+    leftovers = [
+        p.name for p in data_dir.iterdir() if p.name != LOCK and not (p.name.startswith(".") and TMP_MARK in p.name)
+    ]
     if leftovers:
         raise DataError(
             f"out_dir '{data_dir}' is not empty and holds no prepare output ({', '.join(sorted(leftovers)[:3])} ...); "
@@ -252,10 +377,14 @@ def _load_state(job: Job) -> State | None:
 def _discard(data_dir: Path) -> None:
     """Remove what this prepare wrote (shards, temporaries, state): bad input must not leave partial output."""
     for path in data_dir.glob("*.bin"):
-        if re.fullmatch(r"(train|val)_\d{6}\.bin", path.name):
+        if _is_shard(path.name):
             path.unlink()
     remove_temporaries(data_dir)
     (data_dir / STATE_FILE).unlink(missing_ok=True)
+
+
+def _is_shard(name: str) -> bool:
+    return re.fullmatch(r"(train|val)_\d{6}\.bin", name) is not None
 
 
 def _tokenizer(job: Job, streams: list[Stream], state: State, workers: Workers) -> Tokenizer:
@@ -284,7 +413,8 @@ def _write_streams(job: Job, streams: list[Stream], tok: Tokenizer, state: State
         for index in range(state.resume.stream, len(streams)):
             stream = streams[index]
             first_doc = state.resume.doc
-            tasks = make_tasks(stream.texts(first_doc), first_doc, cfg.task_chars)
+            nulls = NullRows(state.resume.nulls)
+            tasks = make_tasks(stream.texts(first_doc), first_doc, cfg.task_chars, nulls)
             writer = StreamWriter(
                 job.data_dir, tok.dtype, cfg.shard_size, stream.split, stream.val_tokens, index, state
             )
@@ -292,7 +422,7 @@ def _write_streams(job: Job, streams: list[Stream], tok: Tokenizer, state: State
                 for task, (tokens, lengths) in workers.map(encode_pieces, tok, tasks):
                     bar.update(writer.feed(task, tokens, lengths))
                     bar.set_postfix_str(f"{stream.split} doc {task.docs[-1] + 1:,}", refresh=False)
-                writer.finish()
+                writer.finish(nulls.count)
             finally:
                 writer.abort()
 
@@ -312,9 +442,12 @@ def _manifest(job: Job, source: Source, tok: Tokenizer, state: State) -> dict[st
         )
     splits: dict[str, list[dict[str, Any]]] = {}
     for e in state.shards:
-        splits.setdefault(e["split"], []).append({k: e[k] for k in ("file", "tokens", "sha256", "documents")})
+        keys = ("file", "tokens", "sha256", "documents", "max_id")  # max_id: absent from a state written before it
+        splits.setdefault(e["split"], []).append({k: e[k] for k in keys if k in e})
     source_info = source.describe() | {"config": cfg.dataset_config, "split": cfg.split, "val_split": cfg.val_split}
     source_info["text_column"] = cfg.text_column
+    if state.inputs is not None:  # as they were when this prepare began: a change during it shows at the next run
+        source_info["inputs"] = state.inputs
     if source.loader == "text":
         source_info["sample_by"] = cfg.sample_by
     manifest = {
@@ -323,6 +456,7 @@ def _manifest(job: Job, source: Source, tok: Tokenizer, state: State) -> dict[st
         "splits": _train_first(splits),
         "tokens": tokens,
         "documents": documents,
+        "skipped_null": state.resume.nulls,  # rows without text: not documents, but the input had them
         "source": source_info,
         "args": job.args(),
     }

@@ -13,14 +13,29 @@ about it lives in the manifest:
 A shard's `file` is relative to the manifest's folder (a multi-part prepare lists `part-.../train_000000.bin`).
 Shards and the manifest are written under a temporary name and renamed when complete, so a reader
 never sees a half-written file.
+
+Verification (`verify_split`) keeps start-up from growing with the data. Every start checks that each shard
+exists with its listed size: one stat per shard, which catches a truncated or missing shard. The manifest's
+sha256 catches a replaced or corrupted one, but hashing reads every byte (16 s for 20 GB), so a training start
+hashes only the shards it has not verified in their present state. The verified cache, `data_dir/.verified.json`
+(or a per-user file when data_dir is read-only, see `verified_path`), records for each hashed shard its size,
+mtime_ns, ctime_ns, inode and sha256; a shard whose stat still matches and whose manifest sha256 is the one
+recorded is trusted without reading it. Any write changes mtime and ctime, and a file renamed or copied over a
+shard has another inode and ctime (ctime cannot be set back, even where a copy keeps the mtime), so each of
+these is hashed again. What the cache cannot see is bytes changing under unchanged metadata (media errors):
+`run.py train --verify_data full` hashes every shard and refreshes the cache, and `prepare` computes each
+sha256 as it writes the shard.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -31,6 +46,8 @@ from accel_gpt.tokenizer import Tokenizer, dtype_for_vocab
 FORMAT = "accel_gpt-shards"
 VERSION = 1
 MANIFEST = "manifest.json"
+
+log = logging.getLogger(__name__)
 
 
 def shard_name(split: str, index: int) -> str:
@@ -155,22 +172,95 @@ def tokenizer_fields(tok: Tokenizer) -> dict[str, Any]:
     return fields | {"eot_token": tok.eot_token, "vocab_size": tok.vocab_size, "dtype": tok.dtype.name}
 
 
-def verify_split(data_dir: str | Path, manifest: dict[str, Any], split: str, checksums: bool = True) -> None:
-    """Every shard of `split` is there, has the listed length and, with `checksums`, the listed sha256."""
+VerifyCache = Literal["ignore", "trust", "refresh"]
+VERIFIED = ".verified.json"  # in data_dir, or under the user's cache folder when data_dir is read-only
+VERIFIED_VERSION = 1
+
+
+def verify_split(
+    data_dir: str | Path, manifest: dict[str, Any], split: str, checksums: bool = True, cache: VerifyCache = "ignore"
+) -> None:
+    """Every shard of `split` is there and has the listed length; with `checksums`, also the listed sha256.
+
+    `cache` says what the verified cache (see the module docstring) is used for: `ignore` hashes every shard
+    and records nothing; `trust` hashes only the shards it does not vouch for and records them; `refresh`
+    hashes every shard and records them all.
+    """
     data_dir = Path(data_dir)
     entries = manifest["splits"].get(split)
     if not entries:
         raise DataError(f"data_dir '{data_dir}' has no '{split}' shards (splits: {', '.join(manifest['splits'])})")
     itemsize = np.dtype(manifest["dtype"]).itemsize
+    stats = {}
     for entry in entries:
         path = data_dir / entry["file"]
         if not path.is_file():
             raise DataError(f"shard {path} listed in {MANIFEST} is missing")
-        size = path.stat().st_size
-        if size != entry["tokens"] * itemsize:
-            raise DataError(f"shard {path} is truncated or wrong: {size} bytes, expected {entry['tokens'] * itemsize}")
-        if checksums and sha256_file(path) != entry["sha256"]:
-            raise DataError(f"shard {path} fails its checksum: the file changed since `prepare` wrote it")
+        stats[entry["file"]] = st = path.stat()
+        if st.st_size != entry["tokens"] * itemsize:
+            expected = entry["tokens"] * itemsize
+            raise DataError(f"shard {path} is truncated or wrong: {st.st_size} bytes, expected {expected}")
+    if not checksums:
+        return
+    verified = read_verified(data_dir) if cache != "ignore" else {}
+    fresh = {}
+    for entry in entries:
+        name, st = entry["file"], stats[entry["file"]]
+        if cache == "trust" and verified.get(name) == _fingerprint(st, entry["sha256"]):
+            continue
+        if sha256_file(data_dir / name) != entry["sha256"]:
+            raise DataError(f"shard {data_dir / name} fails its checksum: the file changed since `prepare` wrote it")
+        fresh[name] = _fingerprint(st, entry["sha256"])
+    if cache != "ignore" and fresh:
+        write_verified(data_dir, verified | fresh)
+
+
+def _fingerprint(st: os.stat_result, sha256: str) -> dict[str, Any]:
+    """What a verified shard looked like: any write changes mtime and ctime; a file renamed over it (a copy with
+    its mtime preserved, `rsync -a`) has another inode and ctime, and nothing sets ctime back."""
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "ino": st.st_ino,
+        "sha256": sha256,
+    }
+
+
+def verified_path(data_dir: str | Path) -> Path:
+    """`data_dir/.verified.json`, or, when data_dir is read-only, a file named after its resolved path under
+    `$XDG_CACHE_HOME/accel_gpt/verified` (default ~/.cache)."""
+    data_dir = Path(data_dir)
+    if os.access(data_dir, os.W_OK):
+        return data_dir / VERIFIED
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "accel_gpt" / "verified"
+    return root / f"{hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:24]}.json"
+
+
+def read_verified(data_dir: str | Path) -> dict[str, dict[str, Any]]:
+    """The shards verified earlier, by file name; empty when there is no cache or it is unreadable (a cache can
+    only save work: a lost one costs one hashing)."""
+    try:
+        raw = json.loads(verified_path(data_dir).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict) or raw.get("version") != VERIFIED_VERSION or not isinstance(raw.get("shards"), dict):
+        return {}
+    return raw["shards"]
+
+
+def write_verified(data_dir: str | Path, shards: dict[str, dict[str, Any]]) -> None:
+    """Publish the cache atomically; the temporary name carries host and pid, since the local main process of
+    every node may write the same file on a shared file system. A failure is only a warning."""
+    path = verified_path(data_dir)
+    tmp = temp_sibling(path, f"{socket.gethostname()}-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"version": VERIFIED_VERSION, "shards": shards}, indent=1) + "\n")
+        publish(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log.warning("could not record verified shards in %s (%s): the next start hashes them again", path, e)
 
 
 def open_split(data_dir: str | Path, manifest: dict[str, Any], split: str) -> list[np.ndarray]:

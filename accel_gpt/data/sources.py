@@ -54,6 +54,28 @@ class Source:
             info["files"] = len(self.files)
         return info
 
+    def inputs(self) -> list[dict[str, Any]] | None:
+        """Name, size and modification time of every local input file: a re-run compares them, so that a finished
+        prepare of text that has changed since is not reported as done. None for hub ids and URLs (nothing local)."""
+        base = Path(self.name).expanduser()
+        if self.kind == "files":
+            paths = [Path(f) for f in self.files]
+        elif self.kind == "disk":
+            paths = sorted(p for p in base.rglob("*") if p.is_file() and not _hidden(p.relative_to(base)))
+        else:
+            return None
+        return [_file_record(p, base) for p in paths]
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def _file_record(path: Path, base: Path) -> dict[str, Any]:
+    stat = path.stat()
+    name = path.relative_to(base).as_posix() if base.is_dir() else path.name
+    return {"file": name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
 
 def resolve_source(dataset: str) -> Source:
     """Classify --dataset: URL, save_to_disk folder, local files, else a hub id (a missing local path is an error)."""
@@ -76,7 +98,7 @@ def resolve_source(dataset: str) -> Source:
 
 def _folder_source(dataset: str, path: Path) -> Source:
     """All data files under a folder (hidden ones skipped), which must share one format."""
-    visible = (p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts))
+    visible = (p for p in path.rglob("*") if not _hidden(p.relative_to(path)))
     files = sorted(p for p in visible if p.is_file())
     by_loader: dict[str, list[str]] = {}
     for p in files:
@@ -107,8 +129,12 @@ class Stream:
     split: str
     val_tokens: int = 0
 
-    def texts(self, start: int = 0) -> Iterator[str]:
-        """The documents from row `start` on, read as Arrow batches (3x faster than dict rows when streaming)."""
+    def texts(self, start: int = 0) -> Iterator[str | None]:
+        """The documents from row `start` on, read as Arrow batches (3x faster than dict rows when streaming).
+
+        A row without text (null, or the column missing from that row) is yielded as None, not as "": it is no
+        document, and `make_tasks` counts it so that the summary and the manifest can say how many were skipped.
+        """
         import datasets
         import pyarrow as pa
 
@@ -118,8 +144,7 @@ class Stream:
         batches = ds.select_columns([self.column]).with_format("arrow").iter(batch_size=READ_ROWS)
         try:
             for table in batches:
-                for text in table.column(0).to_pylist():
-                    yield "" if text is None else text  # a null text is an empty document
+                yield from table.column(0).to_pylist()
         except (datasets.exceptions.DatasetGenerationError, pa.ArrowInvalid, UnicodeDecodeError) as e:
             raise DataError(_load_error("the dataset", e)) from None
 
@@ -251,6 +276,11 @@ def _select_part(ds: Any, index: int, count: int) -> Any:
     `split_dataset_by_node`."""
     if count == 1:
         return ds
+    if not _is_iterable(ds) and len(ds) < count:  # datasets raises IndexError for a part with no rows
+        raise DataError(
+            f"--num_shards {count} splits the input into more parts than it has documents ({len(ds):,}): every part "
+            f"needs at least one; use --num_shards {len(ds)} or fewer"
+        )
     if _is_iterable(ds):
         from datasets.distributed import split_dataset_by_node
 

@@ -9,14 +9,17 @@ and `num_processes` (the size of the group that computed it): the values are the
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from accel_gpt.config import EvalConfig
+from accel_gpt.data import shards
 from accel_gpt.data.loader import check_vocab, val_windows
 from accel_gpt.data.shards import read_manifest
-from accel_gpt.errors import UserError
+from accel_gpt.errors import DataError, UserError
 from accel_gpt.evaluate.hellaswag import (
     Prediction,
     check_vocabulary,
@@ -28,32 +31,35 @@ from accel_gpt.evaluate.hellaswag import (
 from accel_gpt.evaluate.val_loss import evaluate_loss
 from accel_gpt.files import atomic_write
 from accel_gpt.runtime import make_accelerator
-from accel_gpt.weights import load_model
+from accel_gpt.tokenizer import Tokenizer
+from accel_gpt.weights import ModelCard, load_model
 
 
 def run_eval(cfg: EvalConfig) -> None:
+    if cfg.out:
+        check_out_path(Path(cfg.out))  # before minutes of scoring, not after
     accelerator = make_accelerator()
     examples = None
     if cfg.hellaswag:
         with accelerator.main_process_first():  # a hub download lands in the cache once
             examples = load_hellaswag(cfg.hellaswag, cfg.limit or None)
     model, card = load_model(cfg.checkpoint, accelerator.device)
-    if accelerator.mixed_precision != "no":  # autocast from the launch config; no DDP, evaluation needs no grads
-        model = accelerator.prepare_model(model, evaluation_mode=True)
-    result: dict[str, float | int] = {}
-    predictions: list[Prediction] = []
     if examples is not None:
         if card.tokenizer.name != "gpt2":
             raise UserError(
                 f"HellaSwag is scored with the gpt2 tokenizer; {cfg.checkpoint} uses '{card.tokenizer.name}'"
             )
         check_vocabulary(card.model.vocab_size)
+    windows = val_data(cfg, card) if cfg.data_dir else None  # every check passes before anything is scored
+    if accelerator.mixed_precision != "no":  # autocast from the launch config; no DDP, evaluation needs no grads
+        model = accelerator.prepare_model(model, evaluation_mode=True)
+    result: dict[str, float | int] = {}
+    predictions: list[Prediction] = []
+    if examples is not None:
         loader = accelerator.prepare_data_loader(hellaswag_loader(examples, card.model.seq_len, cfg.batch_size))
         predictions = score_hellaswag(model, accelerator, loader)
         result |= hellaswag_metrics(predictions)
-    if cfg.data_dir:
-        check_vocab(read_manifest(cfg.data_dir), card.model.vocab_size, cfg.data_dir)
-        windows = val_windows(cfg.data_dir, card.model.seq_len, cfg.eval_steps * cfg.batch_size)
+    if windows is not None:
         val_dl = accelerator.prepare_data_loader(DataLoader(windows, batch_size=cfg.batch_size))
         result["val_loss"] = evaluate_loss(model, val_dl, accelerator)
     result["num_processes"] = accelerator.num_processes
@@ -64,11 +70,49 @@ def run_eval(cfg: EvalConfig) -> None:
     accelerator.end_training()
 
 
+def val_data(cfg: EvalConfig, card: ModelCard) -> Subset:
+    """The validation windows of --data_dir, once the shards are known to be in the model's tokens and vocabulary."""
+    manifest = read_manifest(cfg.data_dir)
+    check_same_tokenizer(manifest, card.tokenizer, cfg.data_dir, cfg.checkpoint)
+    check_vocab(manifest, card.model.vocab_size, cfg.data_dir)
+    return val_windows(cfg.data_dir, card.model.seq_len, cfg.eval_steps * cfg.batch_size)
+
+
+def check_same_tokenizer(manifest: dict[str, Any], model_tok: Tokenizer, data_dir: str, checkpoint: str) -> None:
+    """The shards must be in the model's own tokens: ids of another tokenizer index the same embedding rows and give a
+    val_loss that looks like a number but means nothing (a GPT-2 model on char ids, or the reverse)."""
+    data_tok = shards.tokenizer(manifest)
+    if data_tok == model_tok:
+        return
+    what, want = _describe(data_tok), _describe(model_tok)
+    other = " of another vocabulary" if what == want else ""
+    raise DataError(
+        f"the shards in {data_dir} hold {what} tokens{other}, but {checkpoint} was trained on {want} tokens: its "
+        "val_loss on them would mean nothing; prepare the data with the model's tokenizer"
+    )
+
+
+def _describe(tok: Tokenizer) -> str:
+    return f"char ({tok.vocab_size} characters)" if tok.name == "char" else tok.name
+
+
+def check_out_path(path: Path) -> None:
+    """--out is a file in a folder that can be written (or made): refused up front, and nothing is created yet."""
+    if path.is_dir() or not path.name or path.name in (".", ".."):
+        raise UserError(f"--out {path} is a folder; give a file name, e.g. --out {path / 'predictions.jsonl'}")
+    folder = next(p for p in path.absolute().parents if p.exists())  # the nearest folder that exists
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write --out {path}: {folder} is not a writable folder")
+
+
 def write_predictions(path: Path, predictions: list[Prediction]) -> None:
     """One jsonl line per example (`ind`, `label`, `pred_norm`, `pred_sum`), written whole or not at all."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     lines = (
         json.dumps({"ind": p.ind, "label": p.label, "pred_norm": p.pred_norm, "pred_sum": p.pred_sum}) + "\n"
         for p in predictions
     )
-    atomic_write(path, "".join(lines))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, "".join(lines))
+    except OSError as e:  # a disk that filled up or turned read-only during the evaluation
+        raise UserError(f"cannot write --out {path}: {e.strerror or e}") from None

@@ -4,12 +4,17 @@ Everything an evaluation needs is built and checked when the run starts (a missi
 the tokenizer cannot encode, a bad HellaSwag file fail before step 1), and the loaders are prepared once.
 Evaluation of a compiled model runs eagerly: its batch shapes differ from training's, and compiling
 them would add graphs (and minutes of compile time on a GPU) at the first evaluation of every run.
+
+For a mixture of sources, each source with a val split is evaluated on its own first `eval_steps` batches:
+`val_loss/<folder name>` for each, and `val_loss` their mean weighted by `data_weights` (renormalised over the
+sources that have a val split), so it measures the mixture the model is trained on.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +23,7 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
 from accel_gpt.config import TrainConfig
-from accel_gpt.data.loader import val_windows
+from accel_gpt.data.loader import has_val, source_names, val_windows
 from accel_gpt.errors import ConfigError
 from accel_gpt.evaluate.hellaswag import (
     check_vocabulary,
@@ -34,12 +39,40 @@ from accel_gpt.weights import ModelCard
 logger = get_logger(__name__)
 
 
+@dataclass
+class ValSource:
+    """One source's validation windows, prepared for the processes, and its share of the mixture."""
+
+    name: str
+    weight: float
+    loader: DataLoader
+
+
+def val_sources(cfg: TrainConfig, accelerator: Accelerator) -> list[ValSource]:
+    """The first `eval_steps * micro_batch_size` val windows of each source that has a val split."""
+    sources = []
+    for name, data_dir, weight in zip(source_names(cfg.data_dirs), cfg.data_dirs, cfg.source_weights(), strict=True):
+        if not has_val(data_dir):
+            logger.info(f"source {name} has no val split: val_loss leaves it out")
+            continue
+        windows = val_windows(
+            data_dir,
+            cfg.seq_len,
+            cfg.eval_steps * cfg.micro_batch_size,
+            checksums=accelerator.is_local_main_process,
+            verify=cfg.verify_data,
+        )
+        loader = accelerator.prepare_data_loader(DataLoader(windows, batch_size=cfg.micro_batch_size))
+        sources.append(ValSource(name, weight, loader))
+    return sources
+
+
 class Evaluator:
     def __init__(
         self, cfg: TrainConfig, accelerator: Accelerator, model: torch.nn.Module, card: ModelCard, splits: list[str]
     ) -> None:
         self.cfg, self.accelerator, self.model, self.card = cfg, accelerator, model, card
-        self.val_dl: DataLoader | None = None
+        self.val_sources: list[ValSource] = []
         self.hellaswag_dl: DataLoader | None = None
         if cfg.eval_every:
             if "val" not in splits:
@@ -47,13 +80,7 @@ class Evaluator:
                     f"eval_every={cfg.eval_every} but {cfg.data_dir} has no 'val' shards; "
                     "prepare with --val_tokens N or set --eval_every 0"
                 )
-            windows = val_windows(
-                cfg.data_dir,
-                cfg.seq_len,
-                cfg.eval_steps * cfg.micro_batch_size,
-                checksums=accelerator.is_local_main_process,
-            )
-            self.val_dl = accelerator.prepare_data_loader(DataLoader(windows, batch_size=cfg.micro_batch_size))
+            self.val_sources = val_sources(cfg, accelerator)
             if cfg.sample_tokens:
                 encode_prompt(card.tokenizer, cfg.sample_prompt)
         if cfg.hellaswag_every:
@@ -67,7 +94,7 @@ class Evaluator:
         return self._val_due(step, last) or self._hellaswag_due(step, last)
 
     def _val_due(self, step: int, last: bool) -> bool:
-        return self.val_dl is not None and (step % self.cfg.eval_every == 0 or last)
+        return bool(self.val_sources) and (step % self.cfg.eval_every == 0 or last)
 
     def _hellaswag_due(self, step: int, last: bool) -> bool:
         return self.hellaswag_dl is not None and (step % self.cfg.hellaswag_every == 0 or last)
@@ -77,7 +104,7 @@ class Evaluator:
         row: dict[str, Any] = {}
         with self._eager():
             if self._val_due(step, last):
-                row["val_loss"] = evaluate_loss(self.model, self.val_dl, self.accelerator)
+                row |= self._val_losses()
                 if self.cfg.sample_tokens:
                     logger.info(f"sample at step {step}: {self._sample()!r}")
             if self._hellaswag_due(step, last):
@@ -85,6 +112,15 @@ class Evaluator:
                 logger.info(f"HellaSwag at step {step}: acc_norm {metrics['acc_norm']:.4f} on {metrics['total']}")
                 row |= {"hellaswag_acc_norm": metrics["acc_norm"], "hellaswag_acc": metrics["acc"]}
         return row
+
+    def _val_losses(self) -> dict[str, float]:
+        """`val_loss`; for a mixture also `val_loss/<source>`, and `val_loss` is their weighted mean."""
+        losses = {s.name: evaluate_loss(self.model, s.loader, self.accelerator) for s in self.val_sources}
+        if len(self.cfg.data_dirs) == 1:
+            return {"val_loss": losses[self.val_sources[0].name]}
+        total = sum(s.weight for s in self.val_sources)
+        mean = sum(s.weight * losses[s.name] for s in self.val_sources) / total
+        return {"val_loss": mean} | {f"val_loss/{name}": loss for name, loss in losses.items()}
 
     def _sample(self) -> str:
         (text,) = sample_texts(

@@ -69,14 +69,21 @@ def load_hellaswag(source: str, limit: int | None = None) -> list[Example]:
     """
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be a positive number of examples, got {limit}")
+    path = Path(source).expanduser()
     if source.startswith(("http://", "https://")):
         rows = _jsonl_rows(_fetch_lines(source), source)
-    elif Path(source).is_file():
-        rows = _jsonl_rows(_file_lines(Path(source)), source)
+    elif path.is_file():
+        rows = _jsonl_rows(_file_lines(path), source)
+    elif path.exists():
+        raise UserError(f"HellaSwag source '{source}' is a folder; give its jsonl file")
     elif _HUB_ID_RE.match(source) and not source.endswith((".jsonl", ".json")):
         rows = _hub_rows(source)
+    elif source.endswith((".jsonl", ".json")) or source.startswith((".", "/", "~")) or "/" in source:
+        raise UserError(f"HellaSwag file '{source}' does not exist")
     else:
-        raise UserError(f"HellaSwag source '{source}' is not a jsonl file, an http(s) URL or a hub id like {HUB_ID}")
+        raise UserError(
+            f"HellaSwag source '{source}' does not exist as a file, and is not an http(s) URL or a hub id like {HUB_ID}"
+        )
     examples = []
     for position, (where, row) in enumerate(rows):
         if limit is not None and position >= limit:
@@ -87,26 +94,34 @@ def load_hellaswag(source: str, limit: int | None = None) -> list[Example]:
     return examples
 
 
-def _file_lines(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        yield from f
+def _file_lines(path: Path) -> Iterator[bytes]:
+    """Raw lines: each is decoded on its own, so that a bad byte is reported with its line number."""
+    try:
+        with open(path, "rb") as f:
+            yield from f
+    except OSError as e:
+        raise UserError(f"cannot read HellaSwag file {path}: {e.strerror or e}") from None
 
 
-def _fetch_lines(url: str) -> list[str]:
+def _fetch_lines(url: str) -> list[bytes]:
     try:
         with urllib.request.urlopen(url, timeout=60) as response:
-            text = response.read().decode("utf-8")
-    except (urllib.error.URLError, OSError, UnicodeDecodeError) as e:
+            data = response.read()
+    except (urllib.error.URLError, OSError) as e:
         raise UserError(f"cannot read HellaSwag from {url}: {e}") from None
-    return text.splitlines()
+    return data.splitlines()
 
 
-def _jsonl_rows(lines: Iterable[str], source: str) -> Iterator[tuple[str, Any]]:
+def _jsonl_rows(lines: Iterable[bytes], source: str) -> Iterator[tuple[str, Any]]:
     """(location, decoded object) per non-blank line; locations are 1-based line numbers."""
-    for number, line in enumerate(lines, start=1):
+    for number, raw in enumerate(lines, start=1):
+        where = f"{source} line {number}"
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark may open the file
+        except UnicodeDecodeError as e:
+            raise UserError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1})") from None
         if not line.strip():
             continue
-        where = f"{source} line {number}"
         try:
             yield where, json.loads(line)
         except json.JSONDecodeError as e:

@@ -1,0 +1,157 @@
+"""The run directory: one run per folder, checked before anything is written, locked while a run trains in it.
+
+The rules, and why:
+
+- `out_dir` must name a folder that can be created or written: not "" (that would be the current folder), not an
+  existing file, not a path under a file, not in a read-only place. These fail at the first write otherwise,
+  after minutes of start-up, or worse, in the middle of a run.
+- A new run (`resume: none`) refuses a folder that holds another run's files (`RUN_FILES`): its final weights,
+  config.yaml and metrics.jsonl would be silently replaced or mixed with the new run's. `overwrite: true` removes
+  those files (only those: nothing the trainer does not write) once every check has passed and the lock is held,
+  before the new run writes anything, so nothing of the two runs mixes.
+- `resume: auto` or a checkpoint path continues the run the folder holds.
+- The main process holds `files.locked(out_dir, "train")` for the whole run, so a second training into the same
+  folder is refused in one line naming the holder. The kernel drops the lock when the holder dies, however it dies.
+
+`RunDir(cfg)` makes the checks on every rank before anything is built: they only read, so a refused run changes
+nothing (not even the lock file: the lock is probed read-only). `RunDir.start` takes the lock and writes
+config.yaml and accelerate_env.txt, then starts the trackers (which create logs/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import broadcast_object_list
+
+from accel_gpt.config import TrainConfig, save_yaml
+from accel_gpt.errors import UserError
+from accel_gpt.files import LOCK, locked, remove
+
+logger = get_logger(__name__)
+
+CONFIG_FILE = "config.yaml"
+ENV_REPORT = "accelerate_env.txt"
+# What a run writes into its folder (besides the lock): a folder holding any of these holds a run.
+RUN_FILES = (
+    CONFIG_FILE,
+    "metrics.jsonl",
+    "model.safetensors",
+    "model_config.json",
+    ENV_REPORT,
+    "checkpoints",
+    "logs",
+)
+
+
+class RunDir:
+    """The checks at construction (every rank, read-only), then `start`: the lock and the run's first files."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg, self.path = cfg, Path(cfg.out_dir)
+        check_out_dir(cfg.out_dir)
+        probe_lock(self.path)
+        self._check_new_run()
+
+    @contextlib.contextmanager
+    def start(self, accelerator: Accelerator) -> Iterator[None]:
+        """Hold the lock (main process) while the body runs; before it, replace an old run (`overwrite`) and write
+        config.yaml, accelerate_env.txt and the trackers. A failure on the main process stops every rank."""
+        with contextlib.ExitStack() as stack:
+            error = None
+            if accelerator.is_main_process:
+                try:
+                    self.path.mkdir(parents=True, exist_ok=True)
+                    stack.enter_context(locked(self.path, "train"))
+                    self._remove_old_run()
+                    save_yaml(self.cfg, self.path / CONFIG_FILE)
+                    (self.path / ENV_REPORT).write_text(accelerate_env_report(accelerator))
+                except (UserError, OSError) as e:
+                    error = str(e) if isinstance(e, UserError) else f"cannot write to out_dir {self.path}: {e}"
+            error = same_on_every_rank(accelerator, error)
+            if error:
+                raise UserError(error)
+            accelerator.init_trackers("accel_gpt", config=self.cfg.to_dict())
+            accelerator.wait_for_everyone()
+            yield
+
+    def _check_new_run(self) -> list[str]:
+        """A new run's folder holds no other run, or `overwrite` says to replace it; returns the files to replace."""
+        old = run_files(self.path) if self.cfg.resume == "none" else []
+        if old and not self.cfg.overwrite:
+            raise UserError(
+                f"out_dir {self.path} holds another run ({', '.join(old)}); pass --resume auto to continue it, "
+                "--overwrite true to replace it, or use a new out_dir"
+            )
+        return old
+
+    def _remove_old_run(self) -> None:
+        """`overwrite`: the earlier run's files go before the new run writes any (checked again: under the lock)."""
+        old = self._check_new_run()
+        for name in old:
+            remove(self.path / name)
+        if old:
+            logger.info(f"overwrite: removed the earlier run's {', '.join(old)} from {self.path}")
+
+
+def check_out_dir(out_dir: str) -> None:
+    """Refuse an out_dir that the run could not write, before anything is built (one line each)."""
+    if not out_dir.strip():
+        raise UserError("out_dir is empty: pass --out_dir DIR (the run is never written into the current folder)")
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"out_dir {path} is a file, not a folder; choose another out_dir")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"out_dir {path} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "it is" if existing == path else f"{existing} is"
+        raise UserError(f"out_dir {path} cannot be written: {where} read-only")
+
+
+def probe_lock(folder: Path) -> None:
+    """Refuse a folder another process trains in, without taking the lock (read-only: a refusal changes nothing).
+
+    `start` takes the lock for real before the first write; this only names a busy folder before minutes of
+    building."""
+    path = folder / LOCK
+    if not path.is_file():
+        return
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = f.read().strip() or "another process"
+            message = f"{folder} is in use by {holder} (train refused); wait for it or use another folder"
+            raise UserError(message) from None
+
+
+def run_files(folder: Path) -> list[str]:
+    """The names in `RUN_FILES` that `folder` holds."""
+    return [name for name in RUN_FILES if (folder / name).exists()]
+
+
+def same_on_every_rank(accelerator: Accelerator, value: str | None) -> str | None:
+    """The main process's `value` on every rank, so that all stop together instead of some waiting forever."""
+    if accelerator.num_processes == 1:
+        return value
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
+def accelerate_env_report(accelerator: Accelerator) -> str:
+    """`accelerate env` (versions, devices, default config; what a bug report needs), then the state in use."""
+    from accelerate.commands.env import env_command, env_command_parser
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        env_command(env_command_parser().parse_args([]))
+    return f"{buffer.getvalue()}\n- state of this run:\n{accelerator.state}"

@@ -1,0 +1,212 @@
+"""Learning-rate schedules: values worked out by hand at their boundaries, and horizons that can be extended.
+
+Every case below uses learning_rate 1, warmup_steps 2 and min_lr_ratio 0.1, so a multiplier is the rate.
+`lr_multiplier(k)` is the rate of the update of step k (0-based); metrics row k+1 logs it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import python_cmd, run_cmd, write_token_shards
+from safetensors.torch import load_file
+
+from accel_gpt.config import TrainConfig
+from accel_gpt.errors import ConfigError
+from accel_gpt.optim import lr_multiplier, make_scheduler, schedule_horizon
+
+
+def cfg(**overrides: object) -> TrainConfig:
+    base = {"data_dir": "unused", "learning_rate": 1.0, "warmup_steps": 2, "min_lr_ratio": 0.1, "max_steps": 10}
+    return TrainConfig(**(base | overrides))
+
+
+def rates(c: TrainConfig, steps: list[int]) -> list[float]:
+    return [lr_multiplier(k, c) for k in steps]
+
+
+def test_cosine_by_hand() -> None:
+    """Warm-up 1/2, 2/2; the cosine over the 8 steps 2..9: 0.1 + 0.45 * (1 + cos(pi * (k - 2) / 8)); 0.1 from 10."""
+    c = cfg(lr_schedule="cosine")
+    expected = {0: 0.5, 1: 1.0, 2: 1.0, 4: 0.8681980515, 6: 0.55, 9: 0.1342542104, 10: 0.1, 15: 0.1}
+    assert rates(c, list(expected)) == pytest.approx(list(expected.values()), abs=1e-9)
+
+
+def test_cosine_is_the_former_schedule_exactly() -> None:
+    """The default is what the trainer did before schedules could be chosen, to the last bit."""
+
+    def former(step: int, warmup: int, max_steps: int, floor: float) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if step >= max_steps:
+            return floor
+        progress = (step - warmup) / max(1, max_steps - warmup)
+        return floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    for warmup, max_steps, floor in [(2, 10, 0.1), (715, 19_073, 0.1), (0, 7, 0.0), (5, 5, 0.3), (9, 4, 0.1)]:
+        c = cfg(warmup_steps=warmup, max_steps=max_steps, min_lr_ratio=floor)
+        for step in range(0, max_steps + 3, max(1, max_steps // 200)):
+            assert lr_multiplier(step, c) == former(step, warmup, max_steps, floor), (warmup, max_steps, step)
+
+
+def test_linear_by_hand() -> None:
+    """From 1 at step 2 down by 0.9 / 8 per step: 0.775 at 4, 0.55 at 6, 0.2125 at 9, the floor 0.1 from 10."""
+    c = cfg(lr_schedule="linear")
+    expected = {0: 0.5, 1: 1.0, 2: 1.0, 3: 0.8875, 4: 0.775, 6: 0.55, 9: 0.2125, 10: 0.1, 20: 0.1}
+    assert rates(c, list(expected)) == pytest.approx(list(expected.values()), abs=1e-12)
+
+
+def test_wsd_by_hand() -> None:
+    """decay_fraction 0.2 of a 10-step horizon: 2 decay steps starting at 8 (1, then 0.55), the floor from 10."""
+    c = cfg(lr_schedule="wsd", decay_fraction=0.2)
+    expected = {0: 0.5, 1: 1.0, 2: 1.0, 5: 1.0, 7: 1.0, 8: 1.0, 9: 0.55, 10: 0.1, 11: 0.1}
+    assert rates(c, list(expected)) == pytest.approx(list(expected.values()), abs=1e-12)
+
+
+def test_wsd_decay_length_rounds_half_up_and_never_starts_inside_warm_up() -> None:
+    """0.25 of 10 is 2.5 -> 3 decay steps from 7 (1, 0.7, 0.4). With warm-up 5, half of 6 steps would start the
+    decay at 3: it starts when warm-up ends (5), and step 5 is the peak."""
+    c = cfg(lr_schedule="wsd", decay_fraction=0.25)
+    assert rates(c, [6, 7, 8, 9, 10]) == pytest.approx([1.0, 1.0, 0.7, 0.4, 0.1], abs=1e-12)
+    c = cfg(lr_schedule="wsd", decay_fraction=0.5, warmup_steps=5, max_steps=6)
+    assert rates(c, [3, 4, 5, 6]) == pytest.approx([0.8, 1.0, 1.0, 0.1], abs=1e-12)
+
+
+def test_constant_by_hand() -> None:
+    """Warm-up, then the peak for ever: min_lr_ratio and the horizon do not apply."""
+    c = cfg(lr_schedule="constant", schedule_steps=4)
+    assert rates(c, [0, 1, 2, 4, 10, 1000]) == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "wsd", "constant"])
+def test_the_horizon_not_max_steps_shapes_the_schedule(kind: str) -> None:
+    """A run that stops at step 4 of an 8-step horizon gets the rates of the 8-step run's first 4 updates; a
+    horizon shorter than max_steps leaves the steps past it at the floor."""
+    part, whole = cfg(lr_schedule=kind, max_steps=4, schedule_steps=8), cfg(lr_schedule=kind, max_steps=8)
+    assert schedule_horizon(part) == schedule_horizon(whole) == 8
+    assert rates(part, list(range(12))) == rates(whole, list(range(12)))
+    short = cfg(lr_schedule=kind, max_steps=12, schedule_steps=6)
+    assert rates(short, [6, 9, 11]) == ([1.0] * 3 if kind == "constant" else [0.1] * 3)
+
+
+def test_wsd_horizon_extended_from_the_stable_phase() -> None:
+    """Steps 0..5 of wsd are the same for an 8-step and a 12-step horizon (decay_fraction 0.25: 2 and 3 decay
+    steps); after that each follows its own horizon."""
+    short = cfg(lr_schedule="wsd", decay_fraction=0.25, max_steps=8)
+    long = cfg(lr_schedule="wsd", decay_fraction=0.25, max_steps=12)
+    assert rates(short, list(range(6))) == rates(long, list(range(6)))
+    assert rates(short, [6, 7, 8]) == pytest.approx([1.0, 0.55, 0.1])
+    assert rates(long, [6, 8, 9, 10, 11, 12]) == pytest.approx([1.0, 1.0, 1.0, 0.7, 0.4, 0.1])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"lr_schedule": "cosin"}, "did you mean cosine"),
+        ({"schedule_steps": -1}, "schedule_steps=-1 must be >= 0"),
+        ({"decay_fraction": 0.0}, "decay_fraction=0.0 must be in (0, 1]"),
+        ({"decay_fraction": 1.5}, "decay_fraction=1.5 must be in (0, 1]"),
+    ],
+)
+def test_schedule_settings_are_validated(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cfg(**overrides)
+
+
+def _optimizer(lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+
+
+def test_resumed_schedule_takes_the_rate_from_this_runs_config() -> None:
+    """Loading a saved schedule keeps only its step: the rate comes from the config the run resumes with (a new
+    horizon or learning_rate applies to the first resumed update), and is bit-identical when nothing changed."""
+    old = cfg(lr_schedule="wsd", max_steps=4, schedule_steps=8, decay_fraction=0.25, learning_rate=1e-3)
+    opt = _optimizer(old.learning_rate)
+    sched = make_scheduler(opt, old)
+    for _ in range(7):
+        opt.step()
+        sched.step()
+    saved_opt, saved_sched, saved_lr = opt.state_dict(), sched.state_dict(), sched.get_last_lr()
+    assert saved_lr == [1e-3 * 0.55]  # step 7 of the 8-step horizon: half-way down its 2 decay steps
+
+    same_opt = _optimizer(old.learning_rate)
+    same = make_scheduler(same_opt, old)
+    same_opt.load_state_dict(saved_opt)
+    same.load_state_dict(saved_sched)
+    assert same.get_last_lr() == saved_lr and same_opt.param_groups[0]["lr"] == saved_lr[0]
+
+    new = cfg(lr_schedule="wsd", max_steps=12, schedule_steps=12, decay_fraction=0.25, learning_rate=2e-3)
+    new_opt = _optimizer(new.learning_rate)
+    resumed = make_scheduler(new_opt, new)
+    new_opt.load_state_dict(saved_opt)  # Accelerate loads the optimizer first, then the scheduler
+    resumed.load_state_dict(saved_sched)
+    assert resumed.last_epoch == 7
+    assert resumed.get_last_lr() == [2e-3] and new_opt.param_groups[0]["lr"] == 2e-3  # stable in the 12-step one
+    for step in (8, 9, 10):
+        new_opt.step()
+        resumed.step()
+        assert resumed.get_last_lr() == [2e-3 * lr_multiplier(step, new)]
+    assert resumed.get_last_lr() == pytest.approx([2e-3 * 0.7])
+
+
+# ------------------------------------------------------------------------------------------ real runs
+
+VOCAB = 256
+TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--vocab_size", str(VOCAB)]
+COMMON = [
+    *TINY,
+    *("--learning_rate", "1e-3", "--warmup_steps", "2", "--seed", "7", "--micro_batch_size", "2"),
+    *("--total_batch_size", "64", "--eval_every", "0", "--log_every", "1", "--sample_tokens", "0"),
+    *("--log_with", "none", "--keep_checkpoints", "0"),
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 20_000).tolist()
+    return write_token_shards(tmp_path_factory.mktemp("optim") / "data", tokens, vocab_size=VOCAB)
+
+
+def _train(out: Path, data: Path, *flags: str) -> None:
+    run_cmd(python_cmd("train", *COMMON, "--data_dir", str(data), "--out_dir", str(out), *flags), timeout=600)
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_run_stopped_inside_its_horizon_then_continued_equals_one_straight_run(tmp_path: Path, data: Path) -> None:
+    """`--max_steps 4 --schedule_steps 8`, resumed with `--max_steps 8 --schedule_steps 8`: the same 8 steps as
+    one 8-step run, bit for bit (weights, losses, rates)."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _train(straight, data, "--max_steps", "8", "--schedule_steps", "8", "--save_every", "0")
+    _train(split, data, "--max_steps", "4", "--schedule_steps", "8", "--save_every", "4")
+    _train(split, data, "--max_steps", "8", "--schedule_steps", "8", "--save_every", "4", "--resume", "auto")
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(split / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = _rows(straight), _rows(split)
+    assert [r["step"] for r in rb] == list(range(1, 9))
+    assert [(r["loss"], r["lr"]) for r in ra] == [(r["loss"], r["lr"]) for r in rb]
+
+
+@pytest.mark.slow
+def test_wsd_run_stopped_in_its_stable_phase_continues_on_a_longer_horizon(tmp_path: Path, data: Path) -> None:
+    """wsd over 8 steps, stopped at step 4 (stable), continued to 12 with a 12-step horizon: rows 1-4 have the
+    rates of the first horizon, rows 5-12 those of the new one (below the peak at steps 10-11, not 7)."""
+    out = tmp_path / "wsd"
+    flags = ["--lr_schedule", "wsd", "--decay_fraction", "0.25", "--save_every", "4"]
+    _train(out, data, *flags, "--max_steps", "4", "--schedule_steps", "8")
+    _train(out, data, *flags, "--max_steps", "12", "--schedule_steps", "12", "--resume", "auto")
+    new = TrainConfig(
+        data_dir="x", learning_rate=1e-3, warmup_steps=2, lr_schedule="wsd", decay_fraction=0.25, max_steps=12
+    )
+    logged = [r["lr"] for r in _rows(out)]
+    assert logged == pytest.approx([1e-3 * lr_multiplier(k, new) for k in range(12)], rel=1e-12)
+    assert logged[4:] == pytest.approx([1e-3] * 6 + [7e-4, 4e-4], rel=1e-9)

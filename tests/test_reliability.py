@@ -1,0 +1,459 @@
+"""Nothing lost, nothing silently wrong: the trainer's answers to rollbacks, changed settings, other data, a
+diverging loss, signals, lost launchers, busy folders and launches that started fewer processes than asked.
+
+Every run is a real `run.py train` process (or `accelerate launch` for 2 processes) on real files. Interruptions
+land at exact points: `tests/workers/interrupted_train.py` pauses the trainer before a given step, the test signals
+whom it means to, then lets the step go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, accelerate_cmd, python_cmd, run_cmd, subprocess_env, write_token_shards
+from safetensors.torch import load_file
+
+from accel_gpt.config import TrainConfig
+from accel_gpt.optim import lr_multiplier
+from accel_gpt.weights import load_model
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 256  # token ids folded into a small vocabulary: these tests check bookkeeping, not language
+FLAGS = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--vocab_size", str(VOCAB)]
+FLAGS += ["--micro_batch_size", "2", "--total_batch_size", "64", "--seed", "7", "--learning_rate", "1e-3"]
+FLAGS += ["--warmup_steps", "2", "--eval_every", "0", "--sample_tokens", "0", "--log_with", "none"]
+WORKER = "tests/workers/interrupted_train.py"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]) -> Path:
+    tokens = [t % VOCAB for t in shakespeare_tokens[:40_000]]
+    return write_token_shards(
+        tmp_path_factory.mktemp("rel") / "data", tokens[:36_000], tokens[36_000:], shard_size=9_000, vocab_size=VOCAB
+    )
+
+
+@pytest.fixture(scope="module")
+def other_data(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]) -> Path:
+    """Other text with the same tokenizer and vocabulary."""
+    tokens = [t % VOCAB for t in shakespeare_tokens[-40_000:]]
+    return write_token_shards(
+        tmp_path_factory.mktemp("other") / "data", tokens[:36_000], tokens[36_000:], shard_size=9_000, vocab_size=VOCAB
+    )
+
+
+def flags(data: Path, out: Path, *extra: str) -> list[str]:
+    return [*FLAGS, "--data_dir", str(data), "--out_dir", str(out), *extra]
+
+
+def train(data: Path, out: Path, *extra: str, processes: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+    args = flags(data, out, *extra)
+    cmd = python_cmd("train", *args) if processes == 1 else accelerate_cmd(processes, "train", *args)
+    return run_cmd(cmd, timeout=300, check=check)
+
+
+def launcher(processes: int) -> list[str]:
+    """The command prefix that runs a script as `processes` processes (python itself for one)."""
+    return [sys.executable] if processes == 1 else accelerate_cmd(processes, "x")[:-2]
+
+
+def errors(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error: ")]
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def ckpt(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:08d}"
+
+
+def checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"weight {k} differs"
+
+
+# ------------------------------------------------------------------------------------------ paused runs
+
+
+@dataclass
+class Paused:
+    """A trainer launched under the test worker and paused before a step; the test signals, then releases."""
+
+    proc: subprocess.Popen
+    ctl: Path
+    workers: list[int] = field(default_factory=list)
+
+    @property
+    def output(self) -> str:
+        return (self.ctl / "output.txt").read_text()
+
+    def signal(self, sig: signal.Signals, *, launcher_only: bool = False) -> None:
+        """To the launcher's process group and (unless `launcher_only`) every worker's: torchrun gives each worker
+        its own session, so a Ctrl-C in a terminal reaches the launcher alone."""
+        for group in [self.proc.pid] if launcher_only else [self.proc.pid, *self.workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, sig)
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{self.output[-6000:]}"
+            time.sleep(0.02)
+
+    def release(self) -> None:
+        (self.ctl / "release").touch()
+
+    def finish(self) -> int:
+        """Release the paused rank, wait for the launcher and every worker; the launcher's exit code."""
+        self.release()
+        code = self.proc.wait(timeout=180)
+        self.wait_for(lambda: not any(_alive(pid) for pid in self.workers), "the workers to exit", timeout=90)
+        return code
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (workers are the launcher's children, not ours)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def paused(processes: int, control: str, args: list[str], root: Path) -> Iterator[Paused]:
+    """Start `args` under the worker with `control` (e.g. `--pause_at 4`), yield once rank 0 has paused; whatever
+    the test did, nothing of it is left running afterwards."""
+    ctl = root / f"ctl-{time.monotonic_ns()}"
+    ctl.mkdir(parents=True)
+    cmd = [*launcher(processes), WORKER, str(ctl), *control.split(), "--", *args]
+    with open(ctl / "output.txt", "w") as log:  # a file, not a pipe: a paused process must never block on it
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        run = Paused(proc, ctl)
+        try:
+            run.wait_for(lambda: (ctl / "paused").exists() or proc.poll() is not None, "the pause")
+            assert proc.poll() is None, f"exited ({proc.returncode}) before pausing:\n{run.output[-6000:]}"
+            run.workers = [int(p.read_text()) for p in sorted(ctl.glob("pid_*"))]
+            assert len(run.workers) == processes
+            yield run
+        finally:
+            run.release()
+            for pid in [proc.pid, *run.workers]:
+                with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                    if pid == proc.pid:
+                        proc.wait(timeout=5)
+                    elif _alive(pid):
+                        time.sleep(5)
+                with contextlib.suppress(ProcessLookupError):
+                    if proc.poll() is None or _alive(pid):
+                        os.killpg(pid, signal.SIGKILL)
+            proc.wait()
+
+
+# ------------------------------------------------------------------------------------------ 1. rollback
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory: pytest.TempPathFactory, data: Path) -> Path:
+    """20 steps, checkpoints at 10 and 20, final weights. Tests copy it before changing anything."""
+    out = tmp_path_factory.mktemp("a") / "run"
+    train(data, out, "--max_steps", "20", "--save_every", "10", "--keep_checkpoints", "2")
+    assert checkpoints(out) == ["step_00000010", "step_00000020"]
+    return out
+
+
+NEW_LINE = ("--max_steps", "30", "--save_every", "3", "--keep_checkpoints", "2")
+
+
+def test_rollback_by_path_then_auto_continues_the_new_line(data: Path, run_a: Path, tmp_path: Path) -> None:
+    """Resumed from step 10 by path (a new line to 30), SIGKILLed after saving step 15, then `--resume auto`: it
+    must continue from 15, not go back to the abandoned line's step 20, and end where the new line run without
+    interruption ends. The abandoned line's step 20 and final weights are moved aside, not deleted."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    shutil.copytree(run_a, run)
+    shutil.copytree(ckpt(run_a, 10), ckpt(ref, 10))
+    train(data, ref, *NEW_LINE, "--resume", str(ckpt(ref, 10)))  # the new line, never interrupted
+
+    with paused(1, "--pause_at 6", flags(data, run, *NEW_LINE, "--resume", str(ckpt(run, 10))), tmp_path) as p:
+        p.signal(signal.SIGKILL)  # during step 16: steps 12 and 15 are saved
+        assert p.finish() == -signal.SIGKILL
+    assert "moved the later step_00000020, final weights (step 20) of the abandoned line" in p.output
+    names = checkpoints(run)
+    assert names[0].startswith("retired-") and names[1:] == ["step_00000012", "step_00000015"], names
+    retired = run / "checkpoints" / names[0]
+    assert sorted(p.name for p in retired.iterdir()) == [
+        "metrics.jsonl",
+        "model.safetensors",
+        "model_config.json",
+        "step_00000020",
+    ]
+    assert [r["step"] for r in rows(retired)] == list(range(1, 21)), "the abandoned line's rows are kept there"
+    assert not (run / "model.safetensors").exists()
+
+    final = train(data, run, *NEW_LINE, "--resume", "auto").stderr
+    assert f"resumed from {ckpt(run, 15)} at step 15" in final
+    assert_same_weights(load_file(str(run / "model.safetensors")), load_file(str(ref / "model.safetensors")))
+    assert [r["step"] for r in rows(run)] == list(range(1, 31))
+    new_line = {r["step"]: r for r in rows(ref)}
+    for r in rows(run)[10:]:
+        assert (r["loss"], r["lr"]) == (new_line[r["step"]]["loss"], new_line[r["step"]]["lr"]), r
+
+
+# ------------------------------------------------------------------------------------------ 1b. changed settings
+
+
+def test_changed_optimizer_settings_are_applied_at_resume(data: Path, run_a: Path, tmp_path: Path) -> None:
+    """A resume with another learning rate, weight decay and beta1 uses them from the first resumed update (the
+    checkpoint's optimizer and scheduler would restore the old ones), logs each change, and config.yaml records
+    what was used. An unchanged resume staying bit-identical is test_checkpoint's exact-resume tests."""
+    out = tmp_path / "run"
+    shutil.copytree(ckpt(run_a, 10), ckpt(out, 10))
+    changed = ("--learning_rate", "1e-4", "--weight_decay", "0.05", "--beta1", "0.8")
+    stderr = train(data, out, "--resume", "auto", "--max_steps", "12", "--save_every", "12", *changed).stderr
+    for line in ("learning_rate 0.001 -> 0.0001", "weight_decay 0.1 -> 0.05", "beta1 0.9 -> 0.8", "max_steps 20 -> 12"):
+        assert f"resume: {line}" in stderr, stderr[-3000:]
+    cfg = TrainConfig.load(str(out / "config.yaml"))
+    assert (cfg.learning_rate, cfg.weight_decay, cfg.beta1) == (1e-4, 0.05, 0.8)
+    first = rows(out)[0]
+    assert first["step"] == 11 and first["lr"] == 1e-4 * lr_multiplier(10, cfg)
+    groups = torch.load(ckpt(out, 12) / "optimizer.bin", weights_only=True)["param_groups"]
+    decayed, plain = groups
+    assert decayed["weight_decay"] == 0.05 and plain["weight_decay"] == 0.0
+    assert all(tuple(g["betas"]) == (0.8, 0.95) and g["initial_lr"] == 1e-4 for g in groups)
+    assert decayed["lr"] == 1e-4 * lr_multiplier(12, cfg)  # the rate of the next update
+
+
+# ------------------------------------------------------------------------------------------ 5. the data
+
+
+def test_resume_on_other_data_is_refused_naming_init_from(
+    data: Path, other_data: Path, run_a: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    before = snapshot(out)
+    proc = train(other_data, out, "--resume", "auto", "--max_steps", "22", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = errors(proc.stderr)
+    assert "was trained on other data (train_shards_sha256" in line and f"--init_from {ckpt(out, 20)}" in line
+    assert snapshot(out) == before
+
+
+def test_resume_with_another_char_vocabulary_is_refused(data: Path, run_a: Path, tmp_path: Path) -> None:
+    """The same shards (so the same fingerprint) declared in another character set: the checkpoint's
+    model_config.json would otherwise get the new tokenizer written over its own at the next save."""
+    relabelled = tmp_path / "data"
+    shutil.copytree(data, relabelled)
+    manifest = json.loads((relabelled / "manifest.json").read_text())
+    manifest["chars"] = "".join(map(chr, range(256, 512)))
+    (relabelled / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "run"
+    shutil.copytree(run_a, out)
+    proc = train(relabelled, out, "--resume", str(ckpt(out, 10)), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = errors(proc.stderr)
+    assert "its char vocabulary (256 ids) is not the data's" in line and "--init_from" in line
+    assert "char" in json.loads((ckpt(out, 20) / "model_config.json").read_text())["tokenizer"]["name"]
+    proc = train(relabelled, tmp_path / "new", "--init_from", str(out), "--max_steps", "1", check=False)
+    assert proc.returncode == 2 and "char vocabulary" in errors(proc.stderr)[0], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("source", ["run_dir", "checkpoint", "run_dir_without_final_weights"])
+def test_init_from_a_run_or_checkpoint_continues_on_new_data(
+    other_data: Path, run_a: Path, tmp_path: Path, source: str
+) -> None:
+    """init_from takes our run dirs and checkpoints. With a learning rate of 1e-30 an update changes no float32
+    weight, so the new run's final weights are exactly the weights it started from."""
+    paths = {"run_dir": run_a, "checkpoint": ckpt(run_a, 10)}
+    if source == "run_dir_without_final_weights":  # a run killed before the end: its newest checkpoint
+        shutil.copytree(run_a / "checkpoints", tmp_path / "killed" / "checkpoints")
+        paths[source] = tmp_path / "killed"
+    expected = {"run_dir": run_a, "checkpoint": ckpt(run_a, 10), "run_dir_without_final_weights": ckpt(run_a, 20)}
+    out = tmp_path / "new"
+    args = ("--init_from", str(paths[source]), "--max_steps", "1", "--save_every", "0", "--warmup_steps", "0")
+    train(other_data, out, *args, "--learning_rate", "1e-30", "--weight_decay", "0")
+    start, _ = load_model(expected[source])
+    final = load_file(str(out / "model.safetensors"))
+    assert_same_weights(final, {k: v for k, v in start.state_dict().items() if k in final})
+
+
+# ------------------------------------------------------------------------------------------ 6. stray files
+
+
+def test_resume_survives_stray_metrics_lines_and_an_unreadable_marker(data: Path, tmp_path: Path) -> None:
+    """metrics.jsonl lines that are not step rows are dropped at resume; a checkpoint whose COMPLETE marker was
+    truncated counts as incomplete for `auto`, pruning and keep_best, which say so instead of failing."""
+    out = tmp_path / "run"
+    scored = ("--eval_every", "2", "--eval_steps", "1", "--keep_checkpoints", "1", "--keep_best", "true")
+    train(data, out, "--max_steps", "4", "--save_every", "2", "--keep_checkpoints", "0", *scored[:4])
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('[1, 2]\n{"step": null}\n{"step": "3"}\n"text"\nnot json\n{"step": 2.5, "loss": 1}\n')
+    marker = ckpt(out, 2) / "COMPLETE"
+    marker.write_bytes(marker.read_bytes()[:7])
+    proc = train(data, out, "--resume", "auto", "--max_steps", "6", "--save_every", "2", *scored)
+    assert f"skipping checkpoint {ckpt(out, 2)}: its COMPLETE marker is unreadable" in proc.stderr
+    assert f"resumed from {ckpt(out, 4)} at step 4" in proc.stderr
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5, 6]
+    names = checkpoints(out)  # pruning (keep 1 + the best scored) passed over step 2, leaving it as it was
+    assert names[0] == "step_00000002" and names[-1] == "step_00000006" and len(names) <= 3, names
+
+
+# ------------------------------------------------------------------------------------------ 7. divergence
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(
+    data: Path, tmp_path: Path, processes: int
+) -> None:
+    """A learning rate of 1e30 without clipping: step 2's loss and gradient norm are NaN. The run stops there in
+    one line on every rank (2 processes: no hang, one message), saves nothing of step 2 and no final weights."""
+    out = tmp_path / "run"
+    diverge = ("--learning_rate", "1e30", "--grad_clip", "0", "--warmup_steps", "0", "--max_steps", "6")
+    proc = train(data, out, *diverge, "--save_every", "1", "--log_every", "3", processes=processes, check=False)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    (line,) = errors(proc.stderr)
+    assert "training diverged at step 2 (loss nan" in line and "the newest checkpoint, step_00000001" in line
+    assert checkpoints(out) == ["step_00000001"]
+    assert not (out / "model.safetensors").exists()
+    assert all(torch.isfinite(t).all() for t in load_file(str(ckpt(out, 1) / "model.safetensors")).values())
+    assert [r["step"] for r in rows(out)] == [1, 2]
+
+
+# ------------------------------------------------------------------------------------------ 8. signals
+
+
+def test_a_second_ctrl_c_aborts_without_saving(data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with paused(1, "--pause_at 4", flags(data, out, "--max_steps", "8", "--save_every", "3"), tmp_path) as p:
+        p.signal(signal.SIGINT)
+        p.wait_for(lambda: "SIGINT: finishing the current step" in p.output, "the first Ctrl-C to be taken")
+        p.signal(signal.SIGINT)
+        assert p.finish() == -signal.SIGINT
+    assert checkpoints(out) == ["step_00000003"]
+    assert "stop requested" not in p.output and not (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_under_accelerate_launch(data: Path, tmp_path: Path, presses: int) -> None:
+    """What the README says a user sees: Ctrl-C reaches the launcher alone; it forwards SIGINT, the workers finish
+    the step, save and exit 0, and torchrun still exits 1 with a SignalException traceback. A second Ctrl-C makes
+    torchrun send SIGTERM, which after a SIGINT aborts: nothing more is saved."""
+    out = tmp_path / "run"
+    args = flags(data, out, "--max_steps", "8", "--save_every", "3")
+    with paused(2, "--pause_at 4", args, tmp_path) as p:
+        p.signal(signal.SIGINT, launcher_only=True)
+        p.wait_for(lambda: "SIGINT: finishing the current step" in p.output, "the forwarded SIGINT")
+        if presses == 2:
+            p.signal(signal.SIGINT, launcher_only=True)
+            p.wait_for(lambda: "closing signal SIGTERM" in p.output, "the launcher's SIGTERM")
+        assert p.finish() == 1
+    assert "SignalException: Process" in p.output and "got signal: 2" in p.output
+    if presses == 1:
+        assert "stop requested: stopped after step 4" in p.output, p.output[-4000:]
+        assert checkpoints(out) == ["step_00000003", "step_00000004"]
+    else:
+        assert "stop requested" not in p.output and checkpoints(out) == ["step_00000003"]
+
+
+# ------------------------------------------------------------------------------------------ 3. one run, one folder
+
+
+def test_two_trainings_cannot_share_a_folder(data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with paused(1, "--pause_at 2", flags(data, out, "--max_steps", "4", "--save_every", "0"), tmp_path) as p:
+        before = snapshot(out)
+        for resume in ("auto", "none"):
+            proc = train(data, out, "--resume", resume, "--max_steps", "4", check=False)
+            assert proc.returncode == 2, proc.stderr[-3000:]
+            (line,) = errors(proc.stderr)
+            assert f"{out} is in use by pid {p.workers[0]} on " in line and "train refused" in line
+        assert snapshot(out) == before
+        assert p.finish() == 0
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
+
+
+def test_workers_stop_and_save_when_their_launcher_is_killed(data: Path, tmp_path: Path) -> None:
+    """SIGKILL of the launcher's process group alone: the workers (in their own sessions) would train on as
+    orphans. They notice after the step they are in, save it and exit."""
+    out = tmp_path / "run"
+    with paused(2, "--pause_at 4", flags(data, out, "--max_steps", "30", "--save_every", "3"), tmp_path) as p:
+        p.signal(signal.SIGKILL, launcher_only=True)
+        assert p.proc.wait(timeout=60) == -signal.SIGKILL  # gone (its workers re-parented) before step 4 runs
+        p.finish()  # waits for both workers to exit
+    assert "is gone: finishing the current step, then saving and exiting" in p.output
+    assert "stop requested: stopped after step 4" in p.output, p.output[-4000:]
+    assert checkpoints(out) == ["step_00000003", "step_00000004"]
+
+
+# ------------------------------------------------------------------------------------------ 9. launches
+
+
+MULTI_CPU_WIZARD = """compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: MULTI_CPU
+downcast_bf16: 'no'
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+mpirun_config: {}
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: true
+"""
+
+
+@pytest.mark.parametrize("how", ["num_processes_without_multi_gpu", "multi_cpu_config"])
+def test_a_launch_that_starts_one_of_several_processes_is_refused(data: Path, tmp_path: Path, how: str) -> None:
+    """On a machine without GPUs both launches start ONE process, which would train alone."""
+    if how == "multi_cpu_config":
+        (tmp_path / "multi_cpu.yaml").write_text(MULTI_CPU_WIZARD)
+        launch = ["--config_file", str(tmp_path / "multi_cpu.yaml")]
+    else:
+        launch = ["--num_machines", "1", "--mixed_precision", "no", "--num_processes", "2"]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "run.py", "train", *flags(data, out)]
+    proc = run_cmd(cmd, check=False, timeout=180)
+    assert proc.returncode != 0
+    (line,) = errors(proc.stderr)
+    assert "asked for several processes but started one" in line
+    assert "--config_file accelerate_configs/cpu_2proc.yaml" in line
+    assert not out.exists()
+
+
+def test_an_error_of_a_two_process_launch_is_printed_once(data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = train(data, out, "--total_batch_size", "96", processes=2, check=False)
+    assert proc.returncode != 0
+    (line,) = errors(proc.stderr)
+    assert "total_batch_size=96 is not a multiple of micro_batch_size*seq_len*world_size=64" in line
+    assert not out.exists()

@@ -1,0 +1,151 @@
+"""A run directory belongs to one run: bad out_dirs and folders of other runs are refused in one line before
+anything is written; `--overwrite true` replaces the other run whole; `--resume` continues it.
+
+The refusals run `train` in this process (they stop before any Accelerator exists); the two-run scenario runs real
+`run.py train` processes. The lock (two trainings into one folder) is tested with real processes in
+test_reliability.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import python_cmd, run_cmd, write_token_shards
+from safetensors.torch import load_file
+
+from accel_gpt.cli import main
+from accel_gpt.config import TrainConfig
+from accel_gpt.errors import ConfigError
+from accel_gpt.files import locked
+from accel_gpt.rundir import RUN_FILES
+
+VOCAB = 256
+TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--vocab_size", str(VOCAB)]
+TINY += ["--micro_batch_size", "2", "--total_batch_size", "32", "--seed", "7", "--eval_every", "0"]
+TINY += ["--sample_tokens", "0", "--log_with", "none"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokens = [(i * 7) % VOCAB for i in range(4000)]
+    return write_token_shards(tmp_path_factory.mktemp("rundir") / "data", tokens, vocab_size=VOCAB)
+
+
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every path under `folder` with its bytes (None for folders), hidden files included."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def refused(capsys: pytest.CaptureFixture, out: str | Path, data: Path, *args: str) -> str:
+    """`train` into `out` exits 2 with one `error:` line."""
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *TINY, "--max_steps", "2", "--data_dir", str(data), "--out_dir", str(out), *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_empty_out_dir_is_refused(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, data: Path, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert "out_dir is empty" in refused(capsys, "", data)
+    assert "out_dir is empty" in refused(capsys, " ", data)
+    assert list(tmp_path.iterdir()) == [], "nothing may be written into the current folder"
+
+
+def test_out_dir_that_is_a_file_or_under_one(capsys: pytest.CaptureFixture, data: Path, tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("mine")
+    assert "is a file, not a folder" in refused(capsys, tmp_path / "a_file", data)
+    assert f"{tmp_path / 'a_file'} is a file" in refused(capsys, tmp_path / "a_file" / "run", data)
+    assert (tmp_path / "a_file").read_text() == "mine"
+
+
+@contextlib.contextmanager
+def read_only(folder: Path) -> Iterator[None]:
+    """A folder nobody may write into; as root (tests in containers), made immutable, which binds root too."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("running as root where chattr +i is unavailable: cannot make a folder read-only")
+        try:
+            yield
+        finally:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+    else:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+
+
+def test_read_only_out_dir(capsys: pytest.CaptureFixture, data: Path, tmp_path: Path) -> None:
+    locked_dir = tmp_path / "ro"
+    locked_dir.mkdir()
+    with read_only(locked_dir):
+        assert "cannot be written: it is read-only" in refused(capsys, locked_dir, data)
+        assert f"cannot be written: {locked_dir} is read-only" in refused(capsys, locked_dir / "a" / "run", data)
+    assert list(locked_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", RUN_FILES)
+def test_a_new_run_refuses_a_folder_with_any_run_file(
+    capsys: pytest.CaptureFixture, data: Path, tmp_path: Path, name: str
+) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).mkdir() if name in ("checkpoints", "logs") else (out / name).write_text("an earlier run's")
+    before = snapshot(out)
+    err = refused(capsys, out, data)
+    assert f"out_dir {out} holds another run ({name})" in err and "--overwrite true" in err
+    assert snapshot(out) == before
+
+
+def test_a_folder_in_use_is_refused_without_touching_its_lock(
+    capsys: pytest.CaptureFixture, data: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "busy"
+    out.mkdir()
+    with locked(out, "train"):
+        before = snapshot(out)
+        err = refused(capsys, out, data, "--resume", "auto")
+        assert f"{out} is in use by pid {os.getpid()}" in err
+        assert snapshot(out) == before  # the lock file still names the holder
+
+
+def test_overwrite_cannot_be_combined_with_resume() -> None:
+    with pytest.raises(ConfigError, match="overwrite=true starts a new run; it cannot resume"):
+        TrainConfig(data_dir="d", overwrite=True, resume="auto")
+
+
+def _train(data: Path, out: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run_cmd(python_cmd("train", *TINY, "--data_dir", str(data), "--out_dir", str(out), *args), check=check)
+
+
+@pytest.mark.slow
+def test_second_run_into_a_used_folder_is_refused_then_overwrite_replaces_it(data: Path, tmp_path: Path) -> None:
+    """Run 1 (2 layers, 6 steps, no checkpoints); run 2 (1 layer, 2 steps) into the same folder is refused and
+    changes nothing; with --overwrite true it replaces run 1 whole: no file of run 1 is left beside run 2's."""
+    out = tmp_path / "R"
+    _train(data, out, "--save_every", "0", "--max_steps", "6", "--keep_checkpoints", "0")
+    (out / "notes.txt").write_text("the user's own file")
+    before = snapshot(out)
+    second = ["--n_layer", "1", "--max_steps", "2", "--save_every", "1"]
+    proc = _train(data, out, *second, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "holds another run" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert snapshot(out) == before
+    proc = _train(data, out, *second, "--overwrite", "true")
+    assert "overwrite: removed the earlier run's config.yaml, metrics.jsonl, model.safetensors" in proc.stderr
+    assert [r.split(",")[0] for r in (out / "metrics.jsonl").read_text().splitlines()] == ['{"step": 1', '{"step": 2']
+    assert "n_layer: 1" in (out / "config.yaml").read_text()
+    assert not any(k.startswith("transformer.h.1.") for k in load_file(str(out / "model.safetensors")))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
+    assert (out / "notes.txt").read_text() == "the user's own file"  # only the trainer's own files are replaced
