@@ -3,13 +3,19 @@
 Layout: `out_dir/checkpoints/step_XXXXXXXX/` holds what `accelerator.save_state` writes (model.safetensors,
 optimizer.bin, scheduler.bin, random_states_{rank}.pkl for every rank, custom_checkpoint_0.pkl with the
 `TrainState`), plus `model_config.json` (so eval/sample/export can read it) and `COMPLETE`, written last.
+Under FSDP, `save_state` writes the model and optimizer sharded instead (`pytorch_model_fsdp_0/`, `optimizer_0/`:
+torch distributed checkpoints, one file per rank), which only an FSDP launch reads back; so the save also gathers the
+whole model and the main process writes it as model.safetensors beside them: eval, sample, export and `--init_from`
+read every checkpoint the same way, and a resume reads the sharded form.
 
 A save goes into a hidden `.tmp-step_XXXXXXXX/` folder. Once every rank has written its part, the main
 process fsyncs it, writes `COMPLETE` and renames it into place; a folder is deleted by first renaming it to
 a hidden `.trash-` name. So a crash at any moment leaves each `step_*` folder either complete or absent
-(plus hidden leftovers that the next save removes), and the previous checkpoint is always intact. Readers
-trust only folders whose `COMPLETE` is readable: a truncated or garbled marker vouches for nothing, so its folder
-counts as incomplete (skipped by `auto` and by pruning, with a warning).
+(plus hidden leftovers that the next save removes), and the previous checkpoint is always intact. A save that
+cannot write (a full disk, a folder turned read-only) removes its temporary folder and stops the run on every rank
+with one line naming that previous checkpoint. Readers trust only folders whose `COMPLETE` is readable: a truncated
+or garbled marker vouches for nothing, so its folder counts as incomplete (skipped by `auto` and by pruning, with a
+warning).
 
 Lines of a run. `--resume auto` takes the newest complete checkpoint, so the folder must hold one line of training.
 Resuming from step k *by path* starts a new line from k (a rollback, e.g. past a loss spike, or with other
@@ -32,12 +38,15 @@ resumes under any W' with the same `total_batch_size`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,12 +54,15 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from accelerate.utils import DistributedType, gather_object
 
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.errors import UserError
-from accel_gpt.files import atomic_write_json, fsync_dir, fsync_tree, publish
+from accel_gpt.files import atomic_write_json, fsync_dir, fsync_tree, publish, remove
+from accel_gpt.rundir import same_on_every_rank
+from accel_gpt.spike import SpikeGuard
 from accel_gpt.tokenizer import Tokenizer
-from accel_gpt.weights import MODEL_CONFIG, WEIGHTS, ModelCard, read_model_config, write_model_config
+from accel_gpt.weights import MODEL_CONFIG, WEIGHTS, ModelCard, read_model_config, save_weights, write_model_config
 from accel_gpt.workarounds import check_pickles_are_safe, drop_tied_head, first_line, reset_micro_step
 
 logger = get_logger(__name__)
@@ -61,6 +73,7 @@ TMP_PREFIX = ".tmp-"  # a save in progress (or killed mid-way)
 TRASH_PREFIX = ".trash-"  # a checkpoint being deleted
 RETIRED_PREFIX = "retired-"  # checkpoints of an abandoned line (after a rollback by path)
 TRAIN_STATE_FILE = "custom_checkpoint_0.pkl"  # Accelerate's name for the first registered object
+FSDP_MODEL_PREFIX = "pytorch_model_fsdp"  # Accelerate's name for the model saved under FSDP (sharded or not)
 # Fields that a resumed run must share with its checkpoint: the model's shape, the global batch (it fixes how
 # far the data stream advances per step) and the seed (it fixes the data order).
 RESUME_FIELDS = (*MODEL_FIELDS, "total_batch_size", "seed")
@@ -68,6 +81,7 @@ RESUME_FIELDS = (*MODEL_FIELDS, "total_batch_size", "seed")
 # restores the saved ones; the schedule's and grad_clip are read from the config at every step anyway.
 CHANGEABLE_FIELDS = ("learning_rate", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "min_lr_ratio")
 CHANGEABLE_FIELDS += ("lr_schedule", "schedule_steps", "decay_fraction", "max_steps")
+CHANGEABLE_FIELDS += ("spike_loss_zscore", "spike_grad_zscore", "spike_window")
 
 
 @dataclass
@@ -84,6 +98,7 @@ class TrainState:
     last_val_loss: float = math.nan
     config: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)  # `data_identity` of the training data
+    spike: SpikeGuard | None = None  # the spike guard's window, when the guard is on
 
     def advance(self, cfg: TrainConfig) -> None:
         """One optimizer step done: the position in the window stream follows from the global batch."""
@@ -99,6 +114,7 @@ class TrainState:
             "last_val_loss": self.last_val_loss,
             "config_json": json.dumps(self.config),
             "data_json": json.dumps(self.data),
+            **({"spike_json": json.dumps(self.spike.state_dict())} if self.spike is not None else {}),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -108,6 +124,8 @@ class TrainState:
         self.last_val_loss = float(sd["last_val_loss"])
         self.config = json.loads(sd["config_json"])
         self.data = json.loads(sd.get("data_json", "{}"))  # {} in checkpoints from before it was recorded
+        if self.spike is not None and "spike_json" in sd:  # absent when saved with the guard off: it starts empty
+            self.spike.load_state_dict(json.loads(sd["spike_json"]))
 
 
 def checkpoint_name(step: int) -> str:
@@ -136,8 +154,11 @@ class Checkpointer:
     Every rank calls `save` and `resume` (both are collective); the main process writes the shared files.
     """
 
-    def __init__(self, cfg: TrainConfig, accelerator: Accelerator, card: ModelCard, state: TrainState) -> None:
-        self.accelerator, self.card, self.state = accelerator, card, state
+    def __init__(
+        self, cfg: TrainConfig, accelerator: Accelerator, card: ModelCard, state: TrainState, model: torch.nn.Module
+    ) -> None:
+        self.accelerator, self.card, self.state, self.model = accelerator, card, state, model
+        self.fsdp = accelerator.distributed_type == DistributedType.FSDP
         self.out_dir, self.every = Path(cfg.out_dir), cfg.save_every
         self.keep, self.keep_best = cfg.keep_checkpoints, cfg.keep_best
         self.rollback_from: int | None = None  # the step of a checkpoint resumed by path: a new line starts there
@@ -162,22 +183,45 @@ class Checkpointer:
         self.accelerator.wait_for_everyone()
         handle = self.accelerator.register_save_state_pre_hook(drop_tied_head)
         try:
-            self.accelerator.save_state(str(tmp))
+            error = write_failure(root, lambda: self.accelerator.save_state(str(tmp)))
         finally:
             handle.remove()
-        self.accelerator.wait_for_everyone()  # every rank's RNG file is in tmp
+        error = any_rank_error(self.accelerator, error)  # also the barrier: every rank's RNG file is in tmp
+        weights = self.accelerator.get_state_dict(self.model) if self.fsdp and error is None else None  # collective
+        if error is None and self.accelerator.is_main_process:
+            error = write_failure(root, lambda: self._publish(tmp, final, val_loss, weights))
+        error = same_on_every_rank(self.accelerator, error)
+        if error is not None:
+            if self.accelerator.is_main_process:
+                remove(tmp)  # gives the space back; the published checkpoints were never touched
+            raise self._save_failed(final, error)
         if self.accelerator.is_main_process:
-            write_model_config(tmp, ModelCard(self.card.model, self.card.tokenizer, self.state.step))
-            fsync_tree(tmp)  # the data must be on disk before the marker that vouches for it
-            marker = {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "val_loss": val_loss}
-            atomic_write_json(tmp / COMPLETE, marker)
-            if final.exists():  # the same step saved again (e.g. resumed from an older checkpoint by path)
-                _remove(final)
-            publish(tmp, final)
             prune(self.out_dir, self.keep, self.keep_best)
             logger.info(f"saved checkpoint {final}")
         self.accelerator.wait_for_everyone()
         return final
+
+    def _publish(self, tmp: Path, final: Path, val_loss: float | None, weights: dict[str, Any] | None) -> None:
+        """`weights`: under FSDP, the gathered state dict (see the module), written as model.safetensors."""
+        card = ModelCard(self.card.model, self.card.tokenizer, self.state.step)
+        if weights is None:
+            write_model_config(tmp, card)
+        else:
+            save_weights(weights, card, tmp)  # with its model_config.json
+        fsync_tree(tmp)  # the data must be on disk before the marker that vouches for it
+        marker = {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "val_loss": val_loss}
+        atomic_write_json(tmp / COMPLETE, marker)
+        if final.exists():  # the same step saved again (e.g. resumed from an older checkpoint by path)
+            _remove(final)
+        publish(tmp, final)
+
+    def _save_failed(self, final: Path, reason: str) -> UserError:
+        done = complete_checkpoints(self.out_dir)
+        kept = f"the previous checkpoint, {done[-1]}, is intact" if done else "no earlier checkpoint of this run exists"
+        return UserError(
+            f"cannot save checkpoint {final}: {reason}; the run stopped after step {self.state.step} and {kept}: "
+            "make room (or fix the folder), then continue with --resume auto"
+        )
 
     def resume(self, resume: str, optimizer: torch.optim.Optimizer) -> None:
         """Restore the checkpoint `resume` names into every registered object on every rank (or start at 0).
@@ -185,6 +229,13 @@ class Checkpointer:
         Everything is checked before anything is restored; then the optimizer gets this run's settings back."""
         path = find_resume_checkpoint(resume, self.out_dir)
         if path is None:
+            if resume == "auto" and (self.out_dir / WEIGHTS).is_file():  # a finished run saved without checkpoints
+                raise UserError(
+                    f"--resume auto: out_dir {self.out_dir} holds a run's final weights but no complete checkpoint to "
+                    f"continue from, and starting at step 0 would replace them; pass --overwrite true instead of "
+                    f"--resume to replace that run, --init_from {self.out_dir} with a new out_dir to train on from its "
+                    "weights, or use a new out_dir"
+                )
             if resume == "auto":
                 logger.info("resume: auto found no complete checkpoint; starting from step 0")
             return
@@ -192,6 +243,7 @@ class Checkpointer:
         saved = saved_state(path)
         check_resume_config(saved.config, self.state.config, path)
         check_same_data(path, saved.data, self.state.data, self.card)
+        check_same_sharding(path, self.fsdp)
         config, data = self.state.config, self.state.data
         try:
             self.accelerator.load_state(str(path))
@@ -216,6 +268,33 @@ class Checkpointer:
                     f"abandoned line to {retired[0]} (nothing deleted); --resume auto now follows this run"
                 )
         self.accelerator.wait_for_everyone()
+
+
+FULL_DISK_BYTES = 1 << 20  # less free space than this, after a failed write, means the disk is full
+
+
+def write_failure(folder: Path, write: Callable[[], object]) -> str | None:
+    """Run `write`; None when it worked, else why it could not write into `folder`, in words.
+
+    A full disk reaches us as torch's `basic_ios::clear: iostream error` or safetensors' own error type, neither an
+    OSError with ENOSPC: what the free space says decides. Other failures that are not failed writes propagate."""
+    try:
+        write()
+    except Exception as e:
+        with contextlib.suppress(OSError):
+            if shutil.disk_usage(folder).free < FULL_DISK_BYTES:
+                return "no space left on the device"
+        if isinstance(e, OSError):
+            return "no space left on the device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
+        raise
+    return None
+
+
+def any_rank_error(accelerator: Accelerator, error: str | None) -> str | None:
+    """The first rank's error (None when every rank succeeded), on every rank: all go on or all stop together."""
+    if accelerator.num_processes == 1:
+        return error
+    return next((e for e in gather_object([error]) if e is not None), None)
 
 
 def _remove(path: Path) -> None:
@@ -381,6 +460,18 @@ def check_same_data(path: Path, saved: dict[str, Any], current: dict[str, Any], 
         tokenizer = read_model_config(path).tokenizer
         if tokenizer != card.tokenizer:
             raise UserError(f"cannot resume from {path}: {tokenizer_mismatch(tokenizer, card.tokenizer)}; {hint}")
+
+
+def check_same_sharding(path: Path, fsdp: bool) -> None:
+    """An FSDP checkpoint holds the model and optimizer in FSDP's form, which only an FSDP launch reads back, and the
+    other way round: say so in one line instead of Accelerate's missing-file error."""
+    saved_fsdp = any(p.name.startswith(FSDP_MODEL_PREFIX) for p in path.iterdir())
+    if saved_fsdp != fsdp:
+        saved, now = ("with", "without") if saved_fsdp else ("without", "with")
+        raise UserError(
+            f"cannot resume from {path}: it was saved {saved} FSDP and this launch runs {now} it; resume with the "
+            f"accelerate config it was saved with, or start a new run from its weights with --init_from {path}"
+        )
 
 
 def tokenizer_mismatch(weights: Tokenizer, data: Tokenizer) -> str:

@@ -74,9 +74,10 @@ COMMANDS = {
     "export": Command(
         ExportConfig,
         "accel_gpt.export:run_export",
-        "write a transformers GPT2LMHeadModel folder (weights + tokenizer)",
+        "write a transformers GPT2LMHeadModel folder (weights, tokenizer, model card); --push_to_hub uploads it",
         "Write a folder that transformers' GPT2LMHeadModel.from_pretrained and AutoTokenizer.from_pretrained "
-        "load offline (models trained with the char tokenizer cannot be exported).",
+        "load offline, with a model card (README.md) of how the model was trained; --push_to_hub REPO_ID then "
+        "uploads it to the Hugging Face Hub (models trained with the char tokenizer cannot be exported).",
     ),
     "plot": Command(
         PlotConfig,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -198,6 +199,9 @@ MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")
 # torch.compile's modes; the CUDA-graph ones replay whole steps, which pays off where launches bound a step.
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 LRSchedule = Literal["cosine", "wsd", "linear", "constant"]
+# Applied steps the spike guard must have seen before it judges one: fewer make too rough a mean and deviation.
+SPIKE_MIN_HISTORY = 16
+AttentionBackend = Literal["auto", "flash", "cudnn", "efficient", "math"]
 
 
 @dataclass
@@ -231,6 +235,10 @@ class TrainConfig(Config):
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
     seed: int = option(1337, "initial weights and data order")
+    # loss-spike guard: an outlier step is not applied (the schedule and data still advance)
+    spike_loss_zscore: float = option(0.0, "skip a step whose loss is over this many std above its mean (0 = off)")
+    spike_grad_zscore: float = option(0.0, "skip a step whose grad norm is over this many std above its mean (0 = off)")
+    spike_window: int = option(128, "applied steps the spike guard's mean and std cover (it judges once it holds 16)")
     # evaluation and sampling (0 turns a periodic action off)
     eval_every: int = option(250, "steps between validation-loss evaluations (0 = never; also on the last step)")
     eval_steps: int = option(20, "validation batches of micro_batch_size windows per evaluation")
@@ -253,6 +261,7 @@ class TrainConfig(Config):
     compile_mode: CompileMode = option("default", "torch.compile mode")
     activation_checkpointing: bool = option(False, "recompute each block in backward: less memory, ~30% more compute")
     loss_chunk: int = option(0, "rows of LM-head logits per chunk of the training loss (0 = all at once): less memory")
+    attention_backend: AttentionBackend = option("auto", "CUDA attention kernel to force (auto: PyTorch picks)")
     num_workers: int = option(0, "DataLoader worker processes per process")
     log_every: int = option(1, "steps between host syncs for logging; every step still gets a metrics row")
     log_with: str = option("auto", "trackers: auto (TensorBoard if installed) | none | tensorboard | wandb | ...")
@@ -262,7 +271,8 @@ class TrainConfig(Config):
         at_least(self, 1, "micro_batch_size", "max_steps", "log_every")
         at_least(self, 0, "warmup_steps", "eval_every", "eval_steps", "hellaswag_every", "hellaswag_limit")
         at_least(self, 0, "sample_tokens", "save_every", "keep_checkpoints", "num_workers", "weight_decay")
-        at_least(self, 0, "grad_clip", "loss_chunk", "schedule_steps")
+        at_least(self, 0, "grad_clip", "loss_chunk", "schedule_steps", "spike_loss_zscore", "spike_grad_zscore")
+        at_least(self, SPIKE_MIN_HISTORY, "spike_window")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"decay_fraction={self.decay_fraction} must be in (0, 1]")
         if self.n_embd % self.n_head:
@@ -345,7 +355,7 @@ class PrepareConfig(Config):
         "", "plain text only: what one document is (unset: paragraph; document with --tokenizer char)"
     )
     tokenizer: Literal["gpt2", "char"] = option("gpt2", "gpt2 (tiktoken BPE, EOT before every document) or char")
-    out_dir: str = option("data/shards", "where shards and manifest.json go")
+    out_dir: str = option("", "where shards and manifest.json go, train's data_dir (required; presets set their own)")
     shard_size: int = option(100_000_000, "tokens per shard")
     val_tokens: int = option(0, "the first N tokens go to the val split (when there is no --val_split)")
     num_proc: int = option(1, "tokenizer worker processes")
@@ -372,6 +382,10 @@ class PrepareConfig(Config):
         if not self.dataset and not self.merge:
             names = ", ".join(preset_names(PrepareConfig))
             raise ConfigError(f"prepare needs --dataset (hub id, local file or folder, or URL) or --preset ({names})")
+        if not self.out_dir:
+            raise ConfigError(
+                "prepare needs --out_dir DIR: the folder for the shards and manifest.json (train's data_dir)"
+            )
 
 
 # ------------------------------------------------------------------------------- eval, sample, export, plot
@@ -384,8 +398,12 @@ class EvalConfig(Config):
     hellaswag: str = option("", "HellaSwag source: jsonl path/URL or hub id (Rowan/hellaswag)")
     limit: int = option(0, "score only the first N HellaSwag examples (0 = all)")
     data_dir: str = option("", "token shards whose 'val' split gives the validation loss")
-    eval_steps: int = option(20, "validation batches of batch_size windows, shared out over the processes")
-    batch_size: int = option(8, "sequences (or HellaSwag examples) per forward pass")
+    eval_steps: int | None = option(
+        None, "validation batches of batch_size windows, shared out over the processes (unset: the run's, else 20)"
+    )
+    batch_size: int | None = option(
+        None, "sequences (or HellaSwag examples) per forward pass (unset: the run's micro_batch_size, else 8)"
+    )
     out: str = option("", "write one jsonl line per HellaSwag example here")
 
     def validate(self) -> None:
@@ -407,6 +425,7 @@ class SampleConfig(Config):
     top_k: int = option(50, "keep the k most likely tokens (0 = all)")
     num_samples: int = option(1, "independent continuations to print")
     seed: int = option(1337, "random seed: the same seed gives the same text")
+    stop_at_eot: bool = option(True, "end a sample where the model writes end-of-text (false: write on past it)")
     device: str = option("", "cpu, cuda, ... (default: cuda if available)")
 
     def validate(self) -> None:
@@ -419,6 +438,17 @@ class ExportConfig(Config):
     command: ClassVar[str] = "export"
     checkpoint: str = option("", "run dir or checkpoint dir", required=True)
     out_dir: str = option("", "a new or empty folder for from_pretrained", required=True)
+    license: str = option("mit", "the model card's license: a Hub license id (mit, apache-2.0, cc-by-4.0, other, ...)")
+    push_to_hub: str = option("", "then upload the folder to this Hub model repo (NAME or OWNER/NAME; needs a token)")
+    private: bool = option(False, "push_to_hub: create the repo private (an existing repo keeps its visibility)")
+
+    def validate(self) -> None:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", self.license):
+            raise ConfigError(f"license={self.license!r} is not a Hub license id (e.g. mit, apache-2.0, other)")
+        if self.push_to_hub and not re.fullmatch(r"([\w.-]+/)?[\w.-]+", self.push_to_hub):
+            raise ConfigError(f"push_to_hub={self.push_to_hub!r} is not a repo id: NAME or OWNER/NAME")
+        if self.private and not self.push_to_hub:
+            raise ConfigError("private=true is for --push_to_hub REPO_ID: nothing is uploaded without it")
 
 
 @dataclass

@@ -2,9 +2,14 @@
 
 The folder holds model.safetensors + config.json + generation_config.json and the tokenizer files
 (tokenizer.json, and GPT-2's original vocab.json + merges.txt for readers without `tokenizers`), so
-`GPT2LMHeadModel.from_pretrained`, `AutoTokenizer.from_pretrained` and `pipeline` load it offline.
+`GPT2LMHeadModel.from_pretrained`, `AutoTokenizer.from_pretrained` and `pipeline` load it offline, and a model
+card, README.md (see `modelcard`), so that it can be shared as it is.
 Only the 50,257 real vocabulary rows are written. Everything is staged in a temporary sibling folder
 and renamed into place, so a failure leaves no half-written export and `out_dir` is never merged into.
+
+`--push_to_hub REPO_ID` then uploads the folder (`huggingface_hub`: create the repo, upload the folder). Offline
+mode and a missing token are refused before anything is exported; a failed upload leaves the export in place and
+says how to retry the upload alone.
 """
 
 from __future__ import annotations
@@ -16,14 +21,20 @@ from pathlib import Path
 from accel_gpt.config import ExportConfig
 from accel_gpt.errors import UserError
 from accel_gpt.files import make_shareable, replacing
-from accel_gpt.hf import gpt2_vocab_and_merges, to_transformers
-from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB
+from accel_gpt.hf import generation_config, gpt2_vocab_and_merges, to_transformers
+from accel_gpt.modelcard import CARD, model_card
+from accel_gpt.tokenizer import GPT2_VOCAB
 from accel_gpt.weights import load_model
 
 
-def export(path: str | Path, out_dir: str | Path) -> Path:
-    """Write the model at `path` (run dir or checkpoint) as a transformers GPT-2 folder; returns that folder."""
-    from transformers import GenerationConfig, GPT2Tokenizer
+def export(
+    path: str | Path, out_dir: str | Path, license: str = "mit", title: str | None = None, load_as: str | None = None
+) -> Path:
+    """Write the model at `path` (run dir or checkpoint) as a transformers GPT-2 folder; returns that folder.
+
+    The model card is headed `title` (default: the folder's name) and its examples load `load_as` (default:
+    `out_dir` as given; the repo id when the folder goes to the Hub)."""
+    from transformers import GPT2Tokenizer
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -38,11 +49,8 @@ def export(path: str | Path, out_dir: str | Path) -> Path:
     if card.model.vocab_size < GPT2_VOCAB:
         raise UserError(f"{path} has vocab_size={card.model.vocab_size}, fewer than GPT-2's {GPT2_VOCAB} tokens")
     hf_model = to_transformers(model, vocab_size=GPT2_VOCAB)
-    hf_model.generation_config = GenerationConfig(
-        bos_token_id=GPT2_EOT,
-        eos_token_id=GPT2_EOT,
-        pad_token_id=GPT2_EOT,  # GPT-2 has no pad token
-    )
+    hf_model.generation_config = generation_config(card.model.seq_len)
+    readme = model_card(path, card, hf_model.num_parameters(), license, title or out.name, load_as or str(out_dir))
     vocab, merges = gpt2_vocab_and_merges()
     # byte-level BPE with <|endoftext|> as bos/eos/unk, as GPT-2's own tokenizer
     tokenizer = GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=card.model.seq_len)
@@ -56,6 +64,7 @@ def export(path: str | Path, out_dir: str | Path) -> Path:
             (stage / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
             lines = ["#version: 0.2", *(f"{a} {b}" for a, b in merges)]
             (stage / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+            (stage / CARD).write_text(readme, encoding="utf-8")
             make_shareable(stage)
     except OSError as e:  # a full or read-only disk; the staging folder is already gone (see `replacing`)
         raise UserError(f"cannot write the export to {out}: {e.strerror or e}") from None
@@ -71,10 +80,49 @@ def check_writable(out: Path) -> None:
         raise UserError(f"cannot write the export to {out}: {folder} is {reason}")
 
 
+def check_can_push(repo_id: str) -> None:
+    """Offline mode or no token: said before minutes of exporting, and before anything is written."""
+    import huggingface_hub
+
+    if huggingface_hub.is_offline_mode():
+        raise UserError(
+            f"--push_to_hub {repo_id}: HF_HUB_OFFLINE=1 is set, so nothing can be uploaded; unset it to upload, or "
+            "export without --push_to_hub"
+        )
+    if huggingface_hub.get_token() is None:
+        raise UserError(
+            f"--push_to_hub {repo_id} needs a Hugging Face token with write access: run `hf auth login` or set HF_TOKEN"
+        )
+
+
+def push(out: Path, repo_id: str, private: bool) -> str:
+    """Create the model repo (an existing one is kept) and upload the folder in one commit; returns the repo's URL."""
+    import huggingface_hub
+
+    try:
+        repo = huggingface_hub.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        huggingface_hub.upload_folder(
+            repo_id=repo.repo_id, folder_path=out, repo_type="model", commit_message="Upload accel_gpt export"
+        )
+    except Exception as e:  # noqa: BLE001 - HTTP, network (httpx) and offline errors come as each library's types
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        private_flag = " --private" if private else ""
+        raise UserError(
+            f"exported {out}, but the upload to {repo_id} failed: {reason}; once that is fixed, upload the folder "
+            f"alone with `hf upload {repo_id} {out}{private_flag}`"
+        ) from None
+    return str(repo)
+
+
 def run_export(cfg: ExportConfig) -> None:
-    """`run.py export`: one line naming what was written."""
+    """`run.py export`: one line naming what was written, and one naming where it went with --push_to_hub."""
     from transformers.utils import logging as hf_logging
 
+    if cfg.push_to_hub:
+        check_can_push(cfg.push_to_hub)
     hf_logging.disable_progress_bar()  # save_pretrained's bar for one shard is noise in a one-line command
-    out = export(cfg.checkpoint, cfg.out_dir)
-    print(f"exported {cfg.checkpoint} -> {out} (GPT2LMHeadModel + GPT-2 tokenizer, vocab {GPT2_VOCAB})")
+    title = cfg.push_to_hub.split("/")[-1] if cfg.push_to_hub else None
+    out = export(cfg.checkpoint, cfg.out_dir, cfg.license, title, cfg.push_to_hub or None)
+    print(f"exported {cfg.checkpoint} -> {out} (GPT2LMHeadModel + GPT-2 tokenizer, vocab {GPT2_VOCAB}, model card)")
+    if cfg.push_to_hub:
+        print(f"uploaded {out} -> {push(out, cfg.push_to_hub, cfg.private)}")

@@ -3,14 +3,18 @@
 With a KV cache (the default) the prompt is run once and each new token is one forward pass over that token
 alone. The context is the model's `seq_len`: a prompt longer than that is cropped from the left, and once a
 sequence outgrows it the window slides, which with absolute positions means a full forward pass over the last
-`seq_len` tokens per new token, as without a cache.
+`seq_len` tokens per new token, as without a cache; `run.py sample` says so in one warning line when it happens.
 
-During training every rank calls `sample_texts` with the same seed on its prepared model (DDP- or
-FSDP-wrapped, autocast, compiled: every rank runs the same number of forward passes, which FSDP's gathers
-need), and only the main process prints the result.
+A sample ends where the model writes end-of-text (the end of a document in its training data), unless asked to
+write on past it. During training every rank calls `sample_texts` with the same seed on its prepared model (DDP-
+or FSDP-wrapped, autocast, compiled), and only the main process prints the result: there every rank runs all
+`max_new_tokens` forward passes whatever the text (FSDP's gathers need the same count on every rank), and the
+text is cut at end-of-text afterwards.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -30,14 +34,21 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    stop_token: int | None = None,
+    stop_early: bool = True,
 ) -> torch.Tensor:
     """(B, T) prompt ids -> (B, T + max_new_tokens): the prompt followed by the generated tokens.
 
     `generator` (on the same device as `idx`) makes the draws reproducible; `top_k` None or 0 keeps
     the whole vocabulary. `model` may be wrapped (DDP, FSDP, compiled); `cfg` is its GPTConfig. The caller
     sets eval mode (`sample_texts` does).
+
+    `stop_token`: a row that draws it is finished, and its later positions repeat it. The finished rows still take
+    part in every draw, so each row's tokens are those of a run without `stop_token` up to its first one. With
+    `stop_early` the loop ends once every row is finished (fewer than `max_new_tokens` columns then).
     """
     cache = KVCache(cfg.n_layer, cfg.seq_len) if use_cache else None
+    finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
         if cache is not None and 0 < cache.length < cfg.seq_len:
             logits, _ = model(idx[:, -1:], cache=cache)  # only the newest token; the rest is cached
@@ -54,7 +65,12 @@ def generate(
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             next_id = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        if stop_token is not None:
+            next_id = next_id.masked_fill(finished[:, None], stop_token)
+            finished |= next_id[:, 0] == stop_token
         idx = torch.cat([idx, next_id], dim=1)
+        if stop_token is not None and stop_early and bool(finished.all()):
+            break
     return idx
 
 
@@ -70,10 +86,50 @@ def sample_texts(
     device: str | torch.device,
     num_samples: int = 1,
     use_cache: bool = True,
+    stop_at_eot: bool = True,
+    stop_early: bool = True,
 ) -> list[str]:
     """`num_samples` continuations of `prompt` (each returned with the prompt in front), drawn together
     from one generator seeded with `seed`: the same arguments give the same texts. Accepts a prepared
-    model as it is (no unwrap needed); `device` is where the model lives (`accelerator.device` in training)."""
+    model as it is (no unwrap needed); `device` is where the model lives (`accelerator.device` in training).
+    With `stop_at_eot` a text ends before the first end-of-text the model writes (see `sample_ids`)."""
+    rows = sample_ids(
+        model,
+        cfg,
+        tokenizer,
+        prompt,
+        max_new_tokens,
+        temperature,
+        top_k,
+        seed,
+        device,
+        num_samples,
+        use_cache,
+        stop_at_eot,
+        stop_early,
+    )
+    prompt_len = len(encode_prompt(tokenizer, prompt))
+    return [tokenizer.decode(without_stop(row, prompt_len, tokenizer.eot_token, stop_at_eot)) for row in rows]
+
+
+def sample_ids(
+    model: torch.nn.Module,
+    cfg: GPTConfig,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    device: str | torch.device,
+    num_samples: int = 1,
+    use_cache: bool = True,
+    stop_at_eot: bool = True,
+    stop_early: bool = True,
+) -> list[list[int]]:
+    """The token ids `sample_texts` decodes: each row is the prompt's ids and then the new ones. With `stop_at_eot`
+    a row ends with the first end-of-text the model wrote (when it wrote one); `stop_early=False` still runs all
+    `max_new_tokens` forward passes (the training samples, see the module)."""
     if temperature < 0:
         raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 0:
@@ -86,9 +142,40 @@ def sample_texts(
     generator = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
-    out = generate(model, cfg, idx, max_new_tokens, temperature, top_k, generator, use_cache)
+    stop = tokenizer.eot_token if stop_at_eot else None
+    out = generate(model, cfg, idx, max_new_tokens, temperature, top_k, generator, use_cache, stop, stop_early)
     model.train(was_training)
-    return [tokenizer.decode(row) for row in out.tolist()]
+    rows = out.tolist()
+    if stop is None:
+        return rows
+    cut = []
+    for row in rows:
+        new = row[len(ids) :]
+        cut.append(row[: len(ids) + new.index(stop) + 1] if stop in new else row)
+    return cut
+
+
+def without_stop(row: list[int], prompt_len: int, eot: int | None, stop_at_eot: bool) -> list[int]:
+    """The ids of a sample's text: a final end-of-text that ended the sample is not part of it."""
+    ended = stop_at_eot and eot is not None and len(row) > prompt_len and row[-1] == eot
+    return row[:-1] if ended else row
+
+
+def context_warning(rows: list[list[int]], prompt_len: int, seq_len: int) -> str | None:
+    """One line when a sample outgrew the model's context, so that what the model read was cropped (see the module):
+    the last token of a row was predicted from the len(row) - 1 before it."""
+    longest = max(len(row) for row in rows)
+    if longest == prompt_len or longest - 1 <= seq_len:
+        return None
+    if prompt_len > seq_len:
+        return (
+            f"warning: the prompt has {prompt_len} tokens, more than the model's {seq_len}-token context: only its "
+            f"last {seq_len} were read, and each new token was predicted from the {seq_len} tokens before it"
+        )
+    return (
+        f"warning: the samples outgrew the model's {seq_len}-token context (prompt {prompt_len} tokens + "
+        f"{longest - prompt_len} new): past it, each new token was predicted from the {seq_len} tokens before it"
+    )
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
@@ -126,10 +213,11 @@ def run_sample(cfg: SampleConfig) -> None:
 
     device = usable_device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, card = load_model(cfg.checkpoint, device)
-    texts = sample_texts(
+    tokenizer = card.tokenizer
+    rows = sample_ids(
         model,
         card.model,
-        card.tokenizer,
+        tokenizer,
         cfg.prompt,
         cfg.max_new_tokens,
         cfg.temperature,
@@ -137,5 +225,11 @@ def run_sample(cfg: SampleConfig) -> None:
         cfg.seed,
         device,
         cfg.num_samples,
+        stop_at_eot=cfg.stop_at_eot,
     )
+    prompt_len = len(encode_prompt(tokenizer, cfg.prompt))
+    warning = context_warning(rows, prompt_len, card.model.seq_len)
+    if warning:
+        print(warning, file=sys.stderr)
+    texts = [tokenizer.decode(without_stop(row, prompt_len, tokenizer.eot_token, cfg.stop_at_eot)) for row in rows]
     print(f"\n{'-' * 40}\n".join(texts))

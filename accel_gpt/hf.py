@@ -24,7 +24,7 @@ from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB
 
 if TYPE_CHECKING:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
 
 # Weights that transformers keeps in Conv1D layout (in, out); nn.Linear keeps (out, in).
 _CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -85,6 +85,16 @@ def gpt2_config(cfg: GPTConfig, vocab_size: int | None = None) -> GPT2Config:
         eos_token_id=eot,
         tie_word_embeddings=True,
     )
+
+
+def generation_config(n_positions: int) -> GenerationConfig:
+    """The defaults of `generate` and `pipeline` for an export: GPT-2's end-of-text as bos, eos and pad (GPT-2 has
+    no pad token), and `max_length` = the position table, so that a call without a length stops at the end of the
+    context instead of running into positions the model has no row for. An explicit `max_new_tokens` replaces
+    `max_length` in transformers, and past the table its embedding lookup fails: the model card says so."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(bos_token_id=GPT2_EOT, eos_token_id=GPT2_EOT, pad_token_id=GPT2_EOT, max_length=n_positions)
 
 
 def to_transformers(model: GPT, vocab_size: int | None = None) -> GPT2LMHeadModel:

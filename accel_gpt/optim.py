@@ -24,14 +24,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+# Devices with torch's fused AdamW kernel that this project runs on (CUDA, and the CPU of tests and laptops).
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
+
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:
-    """AdamW; the fused CUDA kernel updates all parameters in a few launches instead of one per tensor."""
+    """AdamW; the fused kernel updates all parameters in a few launches instead of one per tensor (on CPU, 3.2-5.1x
+    faster than the default implementation: `bench/spike_guard.py`), and its `found_inf` flag is how the spike
+    guard cancels a step."""
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.learning_rate,
         betas=(cfg.beta1, cfg.beta2),
         eps=1e-8,
-        fused=device_type == "cuda",
+        fused=device_type in FUSED_ADAMW_DEVICES,
     )
 
 

@@ -1,7 +1,8 @@
 """`run.py plot`: one picture of how runs went, from their `metrics.jsonl` alone.
 
 Four panels over optimizer steps: train and val loss (and, for a mixture of data sources, each source's
-val loss), learning rate, HellaSwag accuracy, tokens/s.
+val loss), learning rate, HellaSwag accuracy (with a bar of one standard error each way where the run logged
+it: on a few hundred examples the accuracy moves by noise), tokens/s.
 Several runs are overlaid, one colour per run, named by their directory. matplotlib is an optional
 extra (`pip install accel_gpt[plot]`) and is imported only here; the figure is drawn with the Agg
 canvas directly (no pyplot), so no display or GUI backend is ever touched.
@@ -57,7 +58,7 @@ PANELS = (
     Panel("learning rate", "lr", (Curve("lr", "-", "lr", False),), "no learning rate logged"),
     Panel(
         "HellaSwag",
-        "accuracy",
+        "accuracy (bars: ± 1 standard error)",
         (Curve("hellaswag_acc_norm", "-", "acc_norm", True), Curve("hellaswag_acc", ":", "acc", True)),
         "no HellaSwag evaluations\n(train with --hellaswag_every N --hellaswag SRC)",
         baseline=(0.25, "chance (1 in 4)"),  # four endings per example: a model that learned nothing
@@ -68,6 +69,7 @@ PANELS = (
 
 SOURCE_MARKERS = ("s", "^", "v", "D", "P", "X", "*")
 SOURCE_PREFIX = "val_loss/"  # a mixture's per-source validation loss: val_loss/<folder name>
+STDERR_SUFFIX = "_stderr"  # a metric's standard error, logged beside it (HellaSwag's accuracies)
 
 
 def source_curves(runs: Sequence[RunMetrics]) -> tuple[Curve, ...]:
@@ -88,6 +90,15 @@ class RunMetrics:
         """Steps and values where `key` was logged (evaluation metrics appear on some steps only)."""
         points = [(row["step"], row[key]) for row in self.rows if row.get(key) is not None]
         return [s for s, _ in points], [v for _, v in points]
+
+    def spread(self, key: str) -> tuple[list[int], list[float], list[float]]:
+        """Steps, lower and upper ends of `key` -/+ its standard error (`<key>_stderr`), where both were logged."""
+        points = [
+            (row["step"], row[key], row[f"{key}{STDERR_SUFFIX}"])
+            for row in self.rows
+            if row.get(key) is not None and row.get(f"{key}{STDERR_SUFFIX}") is not None
+        ]
+        return [s for s, _, _ in points], [v - e for _, v, e in points], [v + e for _, v, e in points]
 
 
 def run_plot(cfg: PlotConfig) -> None:
@@ -194,6 +205,9 @@ def draw_panel(ax: Axes, panel: Panel, runs: Sequence[RunMetrics], colors: Seque
             label = run.label if len(curves) == 1 else f"{run.label} {curve.label}"
             marker = curve.marker if curve.markers else None
             ax.plot(steps, values, curve.style, color=color, marker=marker, markersize=3, linewidth=1.2, label=label)
+            bar_steps, low, high = run.spread(curve.key)
+            if bar_steps:
+                ax.vlines(bar_steps, low, high, color=color, linewidth=0.8, alpha=0.5)
             drawn = True
     if drawn:
         if panel.baseline is not None:

@@ -26,7 +26,9 @@ import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import yaml
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list
@@ -131,6 +133,28 @@ def probe_lock(folder: Path) -> None:
             holder = f.read().strip() or "another process"
             message = f"{folder} is in use by {holder} (train refused); wait for it or use another folder"
             raise UserError(message) from None
+
+
+def run_of(path: str | Path) -> Path | None:
+    """The run directory whose weights `path` names: the run dir itself (final weights) or the run that holds the
+    checkpoint `RUN/checkpoints/step_N`. None for weights without their run (a copied folder, a transformers model).
+    """
+    p = Path(path)
+    candidates = [p, p.parent.parent] if p.parent.name == "checkpoints" else [p]
+    return next((c for c in candidates if (c / CONFIG_FILE).is_file()), None)
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """A run's config.yaml as written: the train settings it resolved (read as plain YAML, so that a config from an
+    older accel_gpt, with settings since renamed, still reads)."""
+    path = run_dir / CONFIG_FILE
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise UserError(f"cannot read the run's settings in {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} does not hold a run's settings (a YAML mapping of train settings)")
+    return data
 
 
 def run_files(folder: Path) -> list[str]:

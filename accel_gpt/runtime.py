@@ -1,7 +1,8 @@
 """The process side of a run: the Accelerator every command builds, CPU memory settings, and stop signals.
 
 `make_accelerator` forms one process group of the size the launch asked for, on whatever devices the
-launch gave (the Accelerate config decides; nothing here names a rank or a device).
+launch gave (the Accelerate config decides; nothing here names a rank or a device). Under an FSDP launch it hands
+Accelerate the launch's FSDP settings with one change, gradients reduced in fp32 (`fsdp_plugin`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, PartialState
-from accelerate.utils import GradientAccumulationPlugin
+from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 
-from accel_gpt.workarounds import check_group, cpu_only
+from accel_gpt.errors import ConfigError
+from accel_gpt.workarounds import check_fsdp_can_run, check_group, cpu_only
 
 
 def make_accelerator(accumulation: Callable[[int], int] | None = None, **kwargs: Any) -> Accelerator:
@@ -29,17 +31,62 @@ def make_accelerator(accumulation: Callable[[int], int] | None = None, **kwargs:
     the accumulation count alone, never at "the end of the dataloader".
     """
     cpu = cpu_only()
+    check_fsdp_can_run(cpu)
+    fsdp = fsdp_plugin(kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     if cpu:
         keep_freed_memory()
     state = PartialState(cpu=cpu)
     check_group(state)
     steps = accumulation(state.num_processes) if accumulation else 1
     plugin = GradientAccumulationPlugin(num_steps=steps, sync_with_dataloader=False)
-    accelerator = Accelerator(cpu=cpu, gradient_accumulation_plugin=plugin, **kwargs)
+    accelerator = Accelerator(cpu=cpu, gradient_accumulation_plugin=plugin, fsdp_plugin=fsdp, **kwargs)
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32)
         torch.backends.cudnn.allow_tf32 = True
     return accelerator
+
+
+def fsdp_plugin(mixed_precision: str) -> FullyShardedDataParallelPlugin | None:
+    """Under an FSDP launch (ACCELERATE_USE_FSDP): its settings (the FSDP_* variables `accelerate launch` sets from the
+    config) with gradients reduced in fp32; None otherwise.
+
+    Accelerate's own policy reduces gradients in the compute dtype, so under bf16 the mean over the ranks would
+    keep 8 bits of mantissa where DDP, which reduces fp32 gradients, keeps 24. Parameters are still gathered and
+    used in the compute dtype (FSDP2's mixed precision: no autocast, fp32 master weights), and outputs stay as
+    computed: Accelerate's policy would also cast the fp32 loss to bf16. Only FSDP2 is supported.
+    """
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    version = os.environ.get("FSDP_VERSION", "1")
+    if version != "2":
+        raise ConfigError(f"accel_gpt trains with FSDP2: set fsdp_version: 2 in the accelerate config (not {version})")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    return FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+
+
+def use_attention_backend(name: str, device: torch.device) -> None:
+    """Force one scaled-dot-product attention kernel on CUDA (`auto` leaves PyTorch's choice).
+
+    Global switches rather than an `sdpa_kernel` context: they hold for compiled and eager code alike. A kernel
+    that cannot run a call makes that call fail instead of falling back, so a forced choice is a real A/B.
+    """
+    if name == "auto":
+        return
+    if device.type != "cuda":
+        raise ConfigError(f"attention_backend {name} chooses a CUDA kernel; this run is on {device.type}: use auto")
+    for kernel, enable in ATTENTION_SWITCHES.items():
+        enable(kernel == name)
+
+
+ATTENTION_SWITCHES: dict[str, Callable[[bool], None]] = {
+    "flash": torch.backends.cuda.enable_flash_sdp,
+    "cudnn": torch.backends.cuda.enable_cudnn_sdp,
+    "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
+    "math": torch.backends.cuda.enable_math_sdp,
+}
 
 
 def keep_freed_memory() -> bool:

@@ -20,12 +20,16 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
 from accel_gpt.checkpoint import complete_checkpoints
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError, UserError
-from accel_gpt.metrics import METRICS, MetricsFile
+from accel_gpt.metrics import METRICS, MetricsFile, read_metrics
+from accel_gpt.spike import MAX_SKIPPED_IN_A_ROW
+
+logger = get_logger(__name__)
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' data sheets. The first name
 # found in torch.cuda.get_device_name() wins, so the more specific names come first.
@@ -116,9 +120,17 @@ class MetricsLogger:
         )
         self.rows: list[dict[str, Any]] = []
         self.last_row: dict[str, Any] = {}
+        self.skipped = self._skipped_before()  # steps the spike guard skipped, shown in the bar and the summary
+        self.skipped_in_a_row = 0
         self.start_step = step
         self.started = time.perf_counter()
         self.restart_clock()
+
+    def _skipped_before(self) -> int:
+        """Skipped steps in the rows a resumed run keeps (main process: the only one that shows them)."""
+        if not self.file.enabled or not self.file.path.exists():
+            return 0
+        return sum(row.get("skipped") is True for row in read_metrics(self.file.path))
 
     def due(self, step: int, last: bool) -> bool:
         return last or step % self.log_every == 0
@@ -131,7 +143,10 @@ class MetricsLogger:
         """Read the window from the device: the ranks' losses averaged in one all-reduce, then one host sync."""
         losses = self.accelerator.reduce(torch.stack([r["loss"] for r in self.rows]), "mean")
         grad_norms = torch.stack([_local(r["grad_norm"]).float() for r in self.rows])
-        values = torch.stack([losses.float(), grad_norms], dim=1).tolist()
+        columns = [losses.float(), grad_norms]
+        if "skipped" in self.rows[0]:  # the spike guard's decisions come in the same read
+            columns.append(torch.stack([r["skipped"] for r in self.rows]).float())
+        values = torch.stack(columns, dim=1).tolist()
         tokens_per_sec = len(self.rows) * self.tokens_per_step / (time.perf_counter() - self.t0)
         flops_per_sec = tokens_per_sec * self.flops_per_token
         mfu = flops_per_sec / (self.peak * self.accelerator.num_processes) if self.peak else None
@@ -145,18 +160,21 @@ class MetricsLogger:
                 "tokens_per_sec": tokens_per_sec,
                 "mfu": mfu,
                 "flops_per_sec": flops_per_sec,
+                **({"skipped": True} if skipped and skipped[0] else {}),
             }
-            for i, (r, (loss, grad_norm)) in enumerate(zip(self.rows, values, strict=True))
+            for i, (r, (loss, grad_norm, *skipped)) in enumerate(zip(self.rows, values, strict=True))
         ]
         self.rows = []
         self._stop_if_diverged(rows)
+        self._stop_if_stuck(rows)
         return rows
 
     def _stop_if_diverged(self, rows: list[dict[str, Any]]) -> None:
         """A non-finite loss (the weights before the step) or gradient norm (the weights it makes) ends the run
         before anything of that step is saved: its rows up to the bad one are written, then every rank raises
         (the values are all-reduced, so all see them)."""
-        bad = next((r for r in rows if not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]))), None)
+        applied = [r for r in rows if not r.get("skipped")]  # a step the spike guard skipped made no weights
+        bad = next((r for r in applied if not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]))), None)
         if bad is None:
             return
         self.file.write(rows[: rows.index(bad) + 1])
@@ -168,6 +186,21 @@ class MetricsLogger:
             f"without saving its weights; {kept} (resume from it by path with a lower --learning_rate or a --grad_clip)"
         )
 
+    def _stop_if_stuck(self, rows: list[dict[str, Any]]) -> None:
+        """`MAX_SKIPPED_IN_A_ROW` skipped steps in a row (counted since this start) end the run: when every batch is an
+        outlier, the weights themselves are off (an earlier update broke them) and skipping cannot mend them."""
+        for i, row in enumerate(rows):
+            self.skipped_in_a_row = self.skipped_in_a_row + 1 if row.get("skipped") else 0
+            if self.skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
+                self.file.write(rows[: i + 1])
+                self.progress.close()
+                first = row["step"] - MAX_SKIPPED_IN_A_ROW + 1
+                raise UserError(
+                    f"the spike guard skipped every step from {first} to {row['step']}: the weights were already off "
+                    f"before step {first}, which skipping cannot mend; resume by path from an earlier checkpoint "
+                    "(e.g. with a lower --learning_rate), or turn the guard off (spike_*_zscore 0)"
+                )
+
     def write(self, rows: list[dict[str, Any]], extra: dict[str, Any]) -> None:
         """metrics.jsonl and trackers (main process), the progress bar; `extra` (evaluations) joins the last row."""
         rows[-1].update(extra)
@@ -175,10 +208,18 @@ class MetricsLogger:
         self.file.write(rows)
         for row in rows:
             self.accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=row["step"])
+            if row.get("skipped"):
+                self.skipped += 1
+                logger.info(
+                    f"step {row['step']} skipped by the spike guard (loss {row['loss']:.4f}, grad_norm "
+                    f"{row['grad_norm']:.4g}): no update, the schedule and the data move on"
+                )
         last = rows[-1]
         postfix = {"loss": f"{last['loss']:.4f}", "lr": f"{last['lr']:.2e}", "tok/s": f"{last['tokens_per_sec']:,.0f}"}
         if "val_loss" in last:
             postfix["val"] = f"{last['val_loss']:.4f}"
+        if self.skipped:
+            postfix["skipped"] = str(self.skipped)
         self.progress.set_postfix(postfix, refresh=False)
         self.progress.update(len(rows))  # after the postfix: the bar shows this window's values
         self.restart_clock()
@@ -193,6 +234,8 @@ class MetricsLogger:
         losses = f"final loss {self.last_row['loss']:.4f}" if self.last_row else "no step taken"
         if not math.isnan(last_val_loss):
             losses += f", last val_loss {last_val_loss:.4f}"
+        if self.skipped:
+            losses += f"; {self.skipped} step(s) skipped by the spike guard"
         return (
             f"finished at step {step}/{max_steps} in {minutes:.1f} min, {tokens_seen:,} tokens seen; {losses}; "
             f"run dir {out_dir} (metrics.jsonl, config.yaml, checkpoints/, model.safetensors)"

@@ -26,12 +26,13 @@ from accel_gpt.checkpoint import Checkpointer, TrainState, complete_checkpoints,
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.data import shards
 from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
-from accel_gpt.errors import ConfigError, DataError
+from accel_gpt.errors import ConfigError, DataError, UserError
 from accel_gpt.evaluate.evaluator import Evaluator
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
 from accel_gpt.rundir import RunDir
-from accel_gpt.runtime import StopSignal, make_accelerator
+from accel_gpt.runtime import StopSignal, make_accelerator, use_attention_backend
+from accel_gpt.spike import SpikeGuard, check_can_skip, optimizer_step
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.tracking import MetricsLogger, resolve_trackers, show_logs_above_progress_bar
 from accel_gpt.weights import MODEL_CONFIG, ModelCard, load_model, save_weights
@@ -43,8 +44,8 @@ def train(cfg: TrainConfig) -> None:
     run_dir = RunDir(cfg)  # checks out_dir on every rank; nothing is written before run_dir.start
     accelerator = build_accelerator(cfg)
     run = build(cfg, accelerator)
-    state = TrainState(config=cfg.to_dict(), data=run.data)
-    checkpointer = Checkpointer(cfg, accelerator, run.card, state)
+    state = TrainState(config=cfg.to_dict(), data=run.data, spike=run.guard)
+    checkpointer = Checkpointer(cfg, accelerator, run.card, state, run.model)
     checkpointer.resume(cfg.resume, run.optimizer)
     evaluator = Evaluator(cfg, accelerator, run.model, run.card, run.splits)
     with run_dir.start(accelerator), StopSignal(accelerator) as stop:  # the lock, held until the run ends
@@ -63,7 +64,11 @@ def train(cfg: TrainConfig) -> None:
                 state.last_val_loss = evals.get("val_loss", state.last_val_loss)
                 log.write(rows, evals)  # a save step writes its rows first: a resume keeps the rows up to it
             if saving:
-                checkpointer.save(val_loss=evals.get("val_loss"))  # keep_best ranks a checkpoint by its own loss
+                try:
+                    checkpointer.save(val_loss=evals.get("val_loss"))  # keep_best ranks a checkpoint by its own loss
+                except UserError:  # a save that could not write: its one line goes below the bar, not glued to it
+                    log.progress.close()
+                    raise
                 log.restart_clock()
             if stopping:
                 logger.info(f"stop requested: stopped after step {state.step}; {stop_hint(cfg)}")
@@ -79,15 +84,20 @@ def stop_hint(cfg: TrainConfig) -> str:
 
 
 def train_step(run: Run, batches: Iterator, accelerator: Accelerator, cfg: TrainConfig) -> dict[str, Any]:
-    """One optimizer step: accumulate over micro-steps, clip, update. Returns device tensors (no host sync)."""
-    loss_sum = accumulate_gradients(run.model, batches, accelerator)
+    """One optimizer step: accumulate over micro-steps, clip, update unless the spike guard skips it (the schedule
+    advances either way). Returns device tensors (no host sync)."""
+    loss = accumulate_gradients(run.model, batches, accelerator) / accelerator.gradient_accumulation_steps
     lr = run.scheduler.get_last_lr()[0]  # the rate this update uses
     # The norm of the mean gradient over the whole global batch: DDP has already averaged the ranks' gradients.
     grad_norm = accelerator.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
-    run.optimizer.step()
+    row = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+    if run.guard is not None:
+        # The same decision on every rank: the global batch's loss (a device all-reduce, not a host sync) and norm.
+        row["skipped"] = run.guard.check(accelerator.reduce(loss, "mean"), grad_norm)
+    optimizer_step(run.optimizer, row.get("skipped"))
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum / accelerator.gradient_accumulation_steps, "grad_norm": grad_norm, "lr": lr}
+    return row
 
 
 def accumulate_gradients(model: torch.nn.Module, batches: Iterator, accelerator: Accelerator) -> torch.Tensor:
@@ -122,6 +132,7 @@ class Run:
     splits: list[str]
     flops_per_token: int
     data: dict[str, Any]  # `checkpoint.data_identity`: what a resume must train on
+    guard: SpikeGuard | None = None  # the loss-spike guard, when on
 
     def batches(self, position: int) -> Iterator:
         """The training stream from window `position` on (O(1): nothing before it is read)."""
@@ -140,6 +151,7 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(non_blocking=True),
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
     )
+    use_attention_backend(cfg.attention_backend, accelerator.device)
     show_logs_above_progress_bar()
     return accelerator
 
@@ -210,7 +222,11 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
         model.compile(mode=cfg.compile_mode)  # in place: state_dict keys stay those of the uncompiled model
     splits = train_ds.splits
     data = data_identity([source.manifest for source in train_ds.sources], cfg.source_weights())
-    return Run(model, optimizer, scheduler, train_dl, sampler, card, splits, flops_per_token, data)
+    guard = None
+    if cfg.spike_loss_zscore or cfg.spike_grad_zscore:
+        check_can_skip(optimizer, accelerator.scaler)
+        guard = SpikeGuard(cfg, accelerator.device)
+    return Run(model, optimizer, scheduler, train_dl, sampler, card, splits, flops_per_token, data, guard=guard)
 
 
 def check_token_ids(data_dirs: list[str], manifests: list[dict[str, Any]], vocab_size: int) -> None:

@@ -13,14 +13,20 @@ when Accelerate changes:
 - `reset_micro_step`: `load_state` restores the saving run's micro-step counter
   (accelerate/accelerator.py, `Accelerator.load_state`: `self.step = override_attributes["step"]`),
   which under another accumulation puts gradient syncs off the optimizer-step boundaries.
+- `check_fsdp_can_run`: on a machine without GPUs an FSDP launch silently trains as plain data parallelism
+  (accelerate/state.py, `AcceleratorState.__init__` switches to FSDP only in its branch for accelerator devices).
 - `check_pickles_are_safe`: `load_state` unpickles registered objects with `weights_only=False`
-  (accelerate/checkpointing.py, `load_custom_state`), which runs any code a crafted file names.
+  (accelerate/checkpointing.py, `load_custom_state`), which runs any code a crafted file names; under FSDP it
+  reads torch distributed checkpoints, whose index is a plain pickle (torch/distributed/checkpoint/filesystem.py,
+  `FileSystemReader.read_metadata`) and whose non-tensor items are loaded with `weights_only=False`
+  (torch/distributed/checkpoint/default_planner.py, `DefaultLoadPlanner.load_bytes`).
 - `drop_tied_head`: `save_state` drops the alias of a tied weight itself but warns at every save
   (accelerate/utils/other.py, `clean_state_dict_for_safetensors`: "Removed shared tensor ...").
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from pathlib import Path
@@ -32,6 +38,7 @@ from accelerate import Accelerator, PartialState
 from accel_gpt.errors import UserError
 
 PICKLE_SUFFIXES = (".bin", ".pkl", ".pt")
+DCP_INDEX = ".metadata"  # a torch distributed checkpoint folder's index (FSDP's sharded model and optimizer)
 _HEAD, _WTE = "lm_head.weight", "transformer.wte.weight"
 
 
@@ -78,6 +85,17 @@ def started_one_of_several() -> bool:
     return launched_by_accelerate and asked_for_several and not any(v in os.environ for v in _WORLD_SIZE_VARIABLES)
 
 
+def check_fsdp_can_run(cpu: bool) -> None:
+    """Refuse an FSDP launch (ACCELERATE_USE_FSDP, set by `accelerate launch` from `distributed_type: FSDP`) on a
+    machine without GPUs, where Accelerate would train plain data parallelism without a word."""
+    if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        raise UserError(
+            "the launch asks for FSDP (ACCELERATE_USE_FSDP=true, e.g. accelerate_configs/fsdp.yaml) but this machine "
+            "has no GPU, and on a CPU Accelerate would silently train without FSDP; launch with "
+            "--config_file accelerate_configs/cpu_2proc.yaml instead"
+        )
+
+
 def reset_micro_step(accelerator: Accelerator) -> None:
     """After `load_state`: a checkpoint sits on an optimizer-step boundary, so the micro-step count starts at 0.
 
@@ -99,20 +117,94 @@ def check_pickles_are_safe(path: Path) -> None:
     """Prove that every pickle in a checkpoint holds only tensors and plain values before Accelerate reads it.
 
     Loading each with `weights_only=True` first means a crafted file is refused before anything executes;
-    truncated or garbage files are reported here too, in one line.
+    truncated or garbage files are reported here too, in one line. The folders of an FSDP checkpoint are torch
+    distributed checkpoints: their pickles are found through each folder's index (`check_distributed_checkpoint`).
     """
+    for p in sorted(q for q in Path(path).rglob("*") if q.is_file()):
+        if p.name.endswith(DCP_INDEX):
+            check_distributed_checkpoint(p)
+        elif p.suffix in PICKLE_SUFFIXES:
+            _load_weights_only(p, p)
+
+
+def _load_weights_only(source: Any, p: Path, what: str = "") -> None:
+    """`torch.load(source, weights_only=True)`, its refusal or failure as one line about checkpoint file `p`."""
     from accelerate.utils.other import load
 
-    for p in sorted(q for q in Path(path).rglob("*") if q.suffix in PICKLE_SUFFIXES and q.is_file()):
-        try:
-            load(p, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UserError(
-                f"checkpoint file {p} holds something other than tensors and numbers ({_refusal_reason(e)}); "
-                "refusing to unpickle it, as that could run arbitrary code"
-            ) from None
-        except Exception as e:
-            raise UserError(f"checkpoint file {p} is corrupt or truncated: {first_line(e)}") from None
+    try:
+        load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UserError(
+            f"checkpoint file {p}{what} holds something other than tensors and numbers ({_refusal_reason(e)}); "
+            "refusing to unpickle it, as that could run arbitrary code"
+        ) from None
+    except Exception as e:
+        raise UserError(f"checkpoint file {p}{what} is corrupt or truncated: {first_line(e)}") from None
+
+
+def check_distributed_checkpoint(index: Path) -> None:
+    """The pickles of a torch distributed checkpoint folder, given its index file.
+
+    torch unpickles the index with plain `pickle.load`, and each non-tensor item of the state (e.g. an optimizer's
+    learning rate) with `torch.load(weights_only=False)`; tensors it reads with `weights_only=True` itself. So the
+    index is read here admitting only the classes an index is made of, then each non-tensor item with
+    `weights_only=True`, at the file and offset the index names.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    try:
+        with open(index, "rb") as f:
+            metadata = _IndexUnpickler(f).load()
+    except _ForbiddenGlobal as e:
+        raise UserError(
+            f"checkpoint file {index} holds something other than a distributed checkpoint index "
+            f"({_refusal_reason(e)}); refusing to unpickle it, as that could run arbitrary code"
+        ) from None
+    except Exception as e:
+        raise UserError(f"checkpoint file {index} is corrupt or truncated: {first_line(e)}") from None
+    if not isinstance(metadata, Metadata):
+        raise UserError(f"checkpoint file {index} is not a distributed checkpoint index ({type(metadata).__name__})")
+    for key, info in metadata.storage_data.items():
+        if not isinstance(metadata.state_dict_metadata.get(key.fqn), BytesStorageMetadata):
+            continue
+        name = str(getattr(info, "relative_path", ""))
+        item, what = index.parent / name, f" (item {key.fqn})"
+        if Path(name).name != name or not item.is_file() or getattr(info, "transform_descriptors", None):
+            raise UserError(f"checkpoint file {index} names an item this check cannot read: {key.fqn} in {name!r}")
+        with open(item, "rb") as f:
+            f.seek(info.offset)
+            _load_weights_only(io.BytesIO(f.read(info.length)), item, what)
+
+
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    """A global that a distributed checkpoint index does not hold (anything else wrong with it is corruption)."""
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles only what a distributed checkpoint index holds: torch's metadata dataclasses, sizes, dtypes,
+    layouts and the checkpoint's path."""
+
+    ALLOWED = {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata")
+        ),
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in ("BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        *((module, cls) for module in ("pathlib", "pathlib._local") for cls in ("PosixPath", "WindowsPath")),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in self.ALLOWED and not dtype:
+            raise _ForbiddenGlobal(f"Unsupported global: GLOBAL {module}.{name}")
+        return super().find_class(module, name)
 
 
 def first_line(e: BaseException) -> str:

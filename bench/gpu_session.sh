@@ -10,9 +10,12 @@
 #   DRY_RUN=1 OUT=/tmp/dry bash bench/gpu_session.sh 1       # rehearsal on a CPU: the same commands at tiny sizes
 #
 #   1  GPT-2 124M against llm.c's PyTorch trainer and nanoGPT (bench/peers.py; PEERS is a folder holding them,
-#      not part of this repo), same tokens; the largest micro-batch for 124M; the chunked loss's memory
-#   2  HellaSwag over all 10,042 rows (124M shapes, bf16); generation speed; the largest micro-batch for 350M, 774M
-#   3  end to end in bf16: train 124M, SIGKILL it after its first checkpoint, resume to the end; eval, sample, export
+#      not part of this repo), same tokens, in the same call as two A/Bs of accel_gpt: the chunked LM-head loss
+#      and the cuDNN attention kernel
+#   2  HellaSwag over all 10,042 rows (124M shapes, bf16); the largest micro-batch for 124M, 350M and 774M
+#   3  end to end in bf16: train 124M, SIGKILL it after its first checkpoint, resume to the end; eval, sample, export;
+#      then FSDP (fsdp.yaml, one process): a gpt2-medium-wide model stopped by SIGTERM after its first checkpoint
+#      (the graceful stop, which saves), resumed to the end, its last checkpoint's gathered weights checked, exported
 #
 # Every command runs under its own `timeout -s KILL` (it kills the command's whole process group: launcher,
 # trainer, compile workers), so one that hangs costs its own limit, not the phase; a phase's limits add up to
@@ -46,16 +49,17 @@ text=.carry/data/text.txt
 launch=("$PY" -m accelerate.commands.launch --config_file accelerate_configs/single_gpu.yaml run.py)  # bf16
 
 if [ -n "${DRY_RUN:-}" ]; then  # the same commands at sizes a CPU runs in seconds
-    quick=(--pairs 1 --warmup 1 --steps 2)
-    peers=(--steps 3 --warmup 1 --sides accel_gpt,llmc,nanogpt)
-    rows=(--rows 2048)
+    peers=(--steps 3 --warmup 1)
+    variants=(--variant chunk='--loss_chunk 256')
     tiny=(--flags "--n_layer 1 --n_head 1 --n_embd 16 --seq_len 16")
     model=(--model tiny-cpu)
     e2e=(--n_layer 2 --n_head 4 --n_embd 64 --seq_len 64 --micro_batch_size 4 --total_batch_size 256 --compile false
         --eval_steps 2 --hellaswag_limit 20)
+    fsdp_e2e=(--n_layer 2 --n_head 4 --n_embd 64 --seq_len 64 --micro_batch_size 4 --total_batch_size 512)  # refused
     limit=(--limit 20)
 else
-    quick=() tiny=() model=() e2e=() limit=() peers=() rows=(--rows 65536 --dtype bf16)
+    tiny=() model=() e2e=() limit=() peers=(--steps 20 --warmup 6) fsdp_e2e=()
+    variants=(--variant chunk='--loss_chunk 16384' --variant cudnn='--attention_backend cudnn')
 fi
 
 step() {  # step SECONDS COMMAND...: one command under its own limit, its output appended to the log as it comes
@@ -74,30 +78,29 @@ print('torch', torch.__version__, 'accelerate', accelerate.__version__, 'transfo
 print('datasets importable:', importlib.util.find_spec('datasets') is not None)
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
     data=$("$PY" bench/benchlib.py --text "$text")  # GPT-2 tokens written with tiktoken alone (no `datasets`)
-    step 340 "$PY" bench/peers.py --peers .carry/peers --data_dir "$data" --out "$out/peers.jsonl" --timeout 105 \
-        "${peers[@]}"
-    step 130 "$PY" bench/train_throughput.py --find_max_batch 124m "${tiny[@]}"
-    step 60 "$PY" bench/loss_memory.py "${rows[@]}"
+    # five runs of about 100 s each (start, compile, 20 steps of 524,288 tokens), each appended to peers.jsonl
+    step 520 "$PY" bench/peers.py --peers .carry/peers --data_dir "$data" --out "$out/peers.jsonl" --timeout 100 \
+        "${peers[@]}" "${variants[@]}"
     ;;
 2)
     step 120 "$PY" bench/generate_throughput.py --what hellaswag --hellaswag "$hellaswag" --batch_sizes 16,64 \
         --rounds 1 "${model[@]}" "${limit[@]}"
-    step 50 "$PY" bench/generate_throughput.py --what sampling "${model[@]}"
-    step 180 "$PY" bench/train_throughput.py --find_max_batch 350m "${tiny[@]}"
-    step 220 "$PY" bench/train_throughput.py --find_max_batch 774m "${tiny[@]}"
+    step 110 "$PY" bench/train_throughput.py --find_max_batch 124m "${tiny[@]}"
+    step 150 "$PY" bench/train_throughput.py --find_max_batch 350m "${tiny[@]}"
+    step 170 "$PY" bench/train_throughput.py --find_max_batch 774m "${tiny[@]}"
     ;;
 3)
     run=runs/gpu-e2e
     rm -rf "$run" runs/gpu-export
     export TORCHINDUCTOR_CACHE_DIR="$PWD/runs/inductor-cache"  # the resumed run reuses the first one's kernels
-    step 30 "$PY" bench/benchlib.py --text "$text"  # GPT-2 tokens written with tiktoken alone (no `datasets`)
+    step 20 "$PY" bench/benchlib.py --text "$text"  # GPT-2 tokens written with tiktoken alone (no `datasets`)
     data=$("$PY" bench/benchlib.py --text "$text")
     # 65,536 tokens per step (one micro-step of 64 x 1024), evaluation, HellaSwag and a checkpoint along the way
     train=(train --config gpt2-124m --data_dir "$data" --out_dir "$run" --total_batch_size 65536 --max_steps 100
         --warmup_steps 10 --eval_every 25 --eval_steps 4 --hellaswag "$hellaswag" --hellaswag_every 50
         --hellaswag_limit 1000 --save_every 20 --log_every 5 "${e2e[@]}")
     echo "=== $(date +%T) ${launch[*]} ${train[*]}, SIGKILL a few seconds after its first checkpoint" | tee -a "$log"
-    timeout -s KILL 170 "${launch[@]}" "${train[@]}" >>"$log" 2>&1 &
+    timeout -s KILL 130 "${launch[@]}" "${train[@]}" >>"$log" 2>&1 &
     pid=$!  # timeout leads its own process group: killing the group kills launcher and trainer
     until ls "$run"/checkpoints/step_*/COMPLETE >/dev/null 2>&1 || ! kill -0 "$pid" 2>/dev/null; do sleep 1; done
     sleep 5
@@ -106,20 +109,57 @@ print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
     killed=$?
     printf '\n=== killed (exit %s); checkpoints: %s\n' "$killed" "$(ls "$run/checkpoints" 2>/dev/null | xargs)" | tee -a "$log"
     echo "=== last metrics row before the resume: $(tail -n 1 "$run/metrics.jsonl" 2>/dev/null)" | tee -a "$log"
-    step 140 "${launch[@]}" "${train[@]}" --resume auto
+    step 110 "${launch[@]}" "${train[@]}" --resume auto
     step 5 "$PY" -c "from accel_gpt.metrics import read_metrics
 steps = [r['step'] for r in read_metrics('$run/metrics.jsonl')]
 assert steps == list(range(1, 101)), steps
 print('metrics.jsonl: steps 1..100, each once')"
-    step 90 "${launch[@]}" eval --checkpoint "$run" --hellaswag "$hellaswag" --data_dir "$data" --batch_size 32 \
+    step 55 "${launch[@]}" eval --checkpoint "$run" --hellaswag "$hellaswag" --data_dir "$data" --batch_size 32 \
         "${limit[@]}"
-    step 40 "$PY" run.py sample --checkpoint "$run" --prompt "ROMEO:" --max_new_tokens 64 --seed 0
-    step 50 "$PY" run.py export --checkpoint "$run" --out_dir runs/gpu-export
-    step 30 "$PY" -c "from transformers import AutoTokenizer, GPT2LMHeadModel
+    step 25 "$PY" run.py sample --checkpoint "$run" --prompt "ROMEO:" --max_new_tokens 64 --seed 0
+    step 30 "$PY" run.py export --checkpoint "$run" --out_dir runs/gpu-export
+    step 25 "$PY" -c "from transformers import AutoTokenizer, GPT2LMHeadModel
 model, tok = GPT2LMHeadModel.from_pretrained('runs/gpu-export'), AutoTokenizer.from_pretrained('runs/gpu-export')
 ids = model.generate(**tok('ROMEO:', return_tensors='pt'), max_new_tokens=16, do_sample=False)
 print('transformers reads the export:', repr(tok.decode(ids[0])))"
     cp "$run/metrics.jsonl" "$out/e2e_metrics.jsonl" 2>/dev/null
+
+    # FSDP2 on one GPU (the code paths of 8: sharded checkpoints, DTensor gradients, the gathered weights), eager,
+    # 32,768 tokens per step in 2 micro-steps, activation checkpointing; the width and heads of gpt2-medium, 6 layers.
+    frun=runs/gpu-fsdp
+    rm -rf "$frun" runs/gpu-fsdp-export
+    fsdp=("$PY" -m accelerate.commands.launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 run.py)
+    ftrain=(train --config gpt2-medium --n_layer 6 --data_dir "$data" --out_dir "$frun" --total_batch_size 32768
+        --micro_batch_size 16 --max_steps 20 --warmup_steps 5 --eval_every 10 --eval_steps 2 --hellaswag "$hellaswag"
+        --hellaswag_every 10 --hellaswag_limit 200 --save_every 10 --log_every 5 --compile false
+        --activation_checkpointing true "${fsdp_e2e[@]}")
+    echo "=== $(date +%T) ${fsdp[*]} ${ftrain[*]}, SIGTERM to its worker after its first checkpoint" | tee -a "$log"
+    timeout -s KILL 70 "${fsdp[@]}" "${ftrain[@]}" >>"$log" 2>&1 &
+    pid=$!
+    until ls "$frun"/checkpoints/step_*/COMPLETE >/dev/null 2>&1 || ! kill -0 "$pid" 2>/dev/null; do sleep 1; done
+    launcher=$(pgrep -P "$pid")  # timeout -> accelerate launch (torchrun in-process) -> the worker
+    workers=$(for l in $launcher; do pgrep -P "$l"; done)
+    for w in $workers; do kill -TERM "$w" 2>/dev/null; done  # finishes its step, saves, exits 0
+    wait "$pid"
+    stopped=$?
+    printf '\n=== stopped (exit %s, SIGTERM to %s); checkpoints: %s\n' "$stopped" "$(echo $workers)" \
+        "$(ls "$frun/checkpoints" 2>/dev/null | xargs)" | tee -a "$log"
+    newest=$(ls -d "$frun"/checkpoints/step_* 2>/dev/null | tail -n 1)
+    echo "=== $newest holds: $(ls -A "$newest" 2>/dev/null | xargs)" | tee -a "$log"
+    step 70 "${fsdp[@]}" "${ftrain[@]}" --resume auto
+    step 45 "$PY" -c "import torch
+from accel_gpt.checkpoint import complete_checkpoints
+from accel_gpt.export import export
+from accel_gpt.metrics import read_metrics
+from accel_gpt.weights import load_model
+steps = [r['step'] for r in read_metrics('$frun/metrics.jsonl')]
+assert steps == list(range(1, 21)), steps
+ckpt = complete_checkpoints('$frun')[-1]
+a, b = load_model(ckpt)[0].state_dict(), load_model('$frun')[0].state_dict()
+assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), 'the checkpoint is not the final weights'
+print('metrics.jsonl: steps 1..20, each once;', ckpt.name, 'holds the final weights, gathered')
+print('exported', export(ckpt, 'runs/gpu-fsdp-export'))"
+    cp "$frun/metrics.jsonl" "$out/fsdp_metrics.jsonl" 2>/dev/null
     ;;
 *)
     echo "unknown phase $phase: carry, 1, 2 or 3" >&2

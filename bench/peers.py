@@ -16,6 +16,12 @@ CPU rehearsal (fp32, no compile, 124M at seq_len 64, micro-batch 2, 128 tokens p
 settings for all sides):
 
     python bench/peers.py --peers PEERS --data_dir DATA --steps 6 --warmup 2 --rounds 1
+
+A/B of accel_gpt settings in the same call: each `--variant NAME='[VAR=value ...] --flag value ...'` adds a side
+`accel_gpt:NAME` that trains with those extra train flags (and environment variables), e.g.
+
+    --variant chunk='--loss_chunk 16384' --variant cudnn='--attention_backend cudnn'
+    --variant autotune='TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 --compile_mode max-autotune-no-cudagraphs'
 """
 
 # ruff: noqa: E402 (the repo root goes on sys.path before accel_gpt is imported)
@@ -25,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -65,6 +72,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="first steps left out of the median (compilation)")
     p.add_argument("--rounds", type=int, default=1, help="runs of each side, alternating")
     p.add_argument("--sides", default="accel_gpt,llmc,nanogpt", help="comma-separated subset of the sides")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=SPEC",
+                   help="an extra accel_gpt side NAME trained with [VAR=value ...] --flag value ...")  # fmt: skip
     p.add_argument("--micro_batch", type=int, default=0, help="override the micro-batch (global batch kept)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per run (killed after)")
     p.add_argument("--work", type=Path, default=REPO / "runs" / "peers", help="scratch folder")
@@ -88,12 +97,15 @@ def main() -> None:
           f"compile {shape.compile}; {args.steps} steps, median after {args.warmup}")  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", **({} if gpu else CPU_MALLOC))
     rates: dict[str, list[float]] = {}
-    sides = args.sides.split(",")
+    variants = dict(parse_variant(v) for v in args.variant)
+    sides = args.sides.split(",") + [f"accel_gpt:{name}" for name in variants]
     for round_ in range(args.rounds):
         for side in sides if round_ % 2 == 0 else sides[::-1]:
-            cmd, cwd = COMMANDS[side](args, shape, work, gpu)
+            kind, _, variant = side.partition(":")
+            flags, variant_env = variants.get(variant, ([], {}))
+            cmd, cwd = COMMANDS[kind](args, shape, work, gpu, flags)
             started = time.perf_counter()
-            per_step = run_side(side, cmd, cwd, env, args.timeout, shape, work)
+            per_step = run_side(side, cmd, cwd, env | variant_env, args.timeout, shape, work)
             measured = per_step[args.warmup :]
             rates.setdefault(side, []).extend(measured)
             record = {"side": side, "round": round_, "tok_per_s": measured, "first_steps": per_step[: args.warmup],
@@ -103,14 +115,26 @@ def main() -> None:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(record) + "\n")
             median = statistics.median(measured) if measured else float("nan")
-            print(f"  round {round_} {side:9s} median {median:12,.0f} tok/s over {len(measured)} steps", flush=True)
+            print(f"  round {round_} {side:16s} median {median:12,.0f} tok/s over {len(measured)} steps", flush=True)
     medians = {side: statistics.median(r) for side, r in rates.items() if r}
     for side, median in medians.items():
-        print(f"{side:9s} {median:12,.0f} tok/s")
+        print(f"{side:16s} {median:12,.0f} tok/s")
     if "accel_gpt" in medians:
         for side, median in medians.items():
             if side != "accel_gpt":
                 print(f"accel_gpt / {side}: {medians['accel_gpt'] / median:.3f}")
+
+
+def parse_variant(spec: str) -> tuple[str, tuple[list[str], dict[str, str]]]:
+    """`NAME=[VAR=value ...] --flag value ...` -> (NAME, (flags, environment))."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name.isidentifier():
+        raise SystemExit(f"--variant {spec!r}: expected NAME='[VAR=value ...] --flag value ...'")
+    words, env = shlex.split(rest), {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return name, (words, env)
 
 
 def setup(peers: Path, data_dir: Path, work: Path) -> None:
@@ -124,7 +148,9 @@ def setup(peers: Path, data_dir: Path, work: Path) -> None:
         shutil.copy(f, work / "nanogpt" / f.name)
 
 
-def accel_gpt_cmd(args: argparse.Namespace, s: Shape, work: Path, gpu: bool) -> tuple[list[str], Path]:
+def accel_gpt_cmd(
+    args: argparse.Namespace, s: Shape, work: Path, gpu: bool, flags: list[str]
+) -> tuple[list[str], Path]:
     out = work / "accel_gpt"
     shutil.rmtree(out, ignore_errors=True)
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
@@ -134,11 +160,11 @@ def accel_gpt_cmd(args: argparse.Namespace, s: Shape, work: Path, gpu: bool) -> 
     train += ["--seq_len", str(s.seq_len), "--micro_batch_size", str(s.micro_batch)]
     train += ["--total_batch_size", str(s.total_batch), "--compile", str(s.compile).lower(), "--warmup_steps", "700"]
     train += ["--eval_every", "0", "--save_every", "0", "--sample_tokens", "0", "--log_every", "1"]
-    train += ["--log_with", "none"]
+    train += ["--log_with", "none", *flags]
     return train, REPO
 
 
-def llmc_cmd(args: argparse.Namespace, s: Shape, work: Path, gpu: bool) -> tuple[list[str], Path]:
+def llmc_cmd(args: argparse.Namespace, s: Shape, work: Path, gpu: bool, flags: list[str]) -> tuple[list[str], Path]:
     cmd = [sys.executable, "train_gpt2.py", "--input_bin", "llmc_train.bin", "--model", "d12"]
     cmd += ["--batch_size", str(s.micro_batch), "--sequence_length", str(s.seq_len)]
     cmd += ["--total_batch_size", str(s.total_batch), "--num_iterations", str(args.steps)]
@@ -148,7 +174,7 @@ def llmc_cmd(args: argparse.Namespace, s: Shape, work: Path, gpu: bool) -> tuple
     return cmd, work
 
 
-def nanogpt_cmd(args: argparse.Namespace, s: Shape, work: Path, gpu: bool) -> tuple[list[str], Path]:
+def nanogpt_cmd(args: argparse.Namespace, s: Shape, work: Path, gpu: bool, flags: list[str]) -> tuple[list[str], Path]:
     cmd = [sys.executable, "train.py", "--dataset=accel", f"--batch_size={s.micro_batch}"]
     cmd += [f"--block_size={s.seq_len}", "--bias=True", f"--gradient_accumulation_steps={s.accumulation}"]
     cmd += [f"--max_iters={args.steps}", f"--compile={s.compile}", f"--dtype={s.dtype}", "--eval_interval=100000"]
@@ -167,7 +193,7 @@ def run_side(side: str, cmd: list[str], cwd: Path, env: dict, timeout: int, s: S
         output, failed = proc.stdout + proc.stderr, proc.returncode != 0
     except subprocess.TimeoutExpired as e:
         output, failed = (e.stdout or b"").decode() + (e.stderr or b"").decode(), True
-    if side == "accel_gpt":
+    if side.startswith("accel_gpt"):
         path = work / "accel_gpt" / "metrics.jsonl"
         rates = [json.loads(line)["tokens_per_sec"] for line in path.read_text().splitlines()] if path.exists() else []
     elif side == "llmc":

@@ -113,3 +113,29 @@ def shakespeare_shards(tmp_path_factory: pytest.TempPathFactory, shakespeare_tok
     return write_token_shards(
         tmp_path_factory.mktemp("shakespeare") / "data", shakespeare_tokens[:cut], shakespeare_tokens[cut:]
     )
+
+
+# The settings of `tiny_run`: evaluations at steps 2 and 4 on 3 batches of 2 windows (not eval's defaults, so that
+# an eval that ignored the run's settings would report another val_loss), HellaSwag on 8 examples at step 4.
+TINY_RUN_FLAGS = [
+    "--config", "tiny-cpu", "--max_steps", "4", "--micro_batch_size", "2", "--eval_every", "2", "--eval_steps", "3",
+    "--hellaswag_every", "4", "--hellaswag", str(HELLASWAG), "--hellaswag_limit", "8", "--save_every", "2",
+    "--sample_tokens", "0", "--log_with", "none",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 4-step tiny-cpu run (`TINY_RUN_FLAGS`) on a prepared slice of tiny Shakespeare, with checkpoints at
+    steps 2 and 4 and its final weights: what a run directory holds for `export` and `eval` to read."""
+    from accel_gpt.config import PrepareConfig
+    from accel_gpt.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("tiny_run")
+    text = root / "shakespeare.txt"
+    text.write_text(SHAKESPEARE.read_text()[:60_000])
+    data = root / "data"
+    prepare(PrepareConfig(dataset=str(text), out_dir=str(data), val_tokens=3000))
+    run = root / "run"
+    run_cmd(python_cmd("train", *TINY_RUN_FLAGS, "--data_dir", str(data), "--out_dir", str(run)), timeout=600)
+    return run

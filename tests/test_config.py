@@ -71,7 +71,7 @@ def test_every_preset_loads(cls: type[Config], preset: str) -> None:
 
 
 def test_presets_are_found_per_command() -> None:
-    assert preset_names(TrainConfig) == ["gpt2-124m", "tiny-cpu"]
+    assert preset_names(TrainConfig) == ["gpt2-124m", "gpt2-large", "gpt2-medium", "shakespeare-char", "tiny-cpu"]
     assert preset_names(PrepareConfig) == ["fineweb-edu-10B", "shakespeare-char", "tinyshakespeare"]
     assert presets_dir(TrainConfig) == PRESETS_DIR and presets_dir(PrepareConfig) == PRESETS_DIR / "prepare"
     for name in ("eval", "sample", "export", "plot"):
@@ -117,6 +117,24 @@ def test_gpt2_124m_recipe() -> None:
     assert cfg.grad_accum_steps(8) == 1 and cfg.grad_accum_steps(1) == 8
 
 
+@pytest.mark.parametrize(
+    ("preset", "shape", "micro_batch_size"),
+    [("gpt2-medium", (24, 16, 1024), 32), ("gpt2-large", (36, 20, 1280), 16)],
+)
+def test_larger_gpt2_presets_are_the_124m_recipe_at_their_size(
+    preset: str, shape: tuple[int, int, int], micro_batch_size: int
+) -> None:
+    """GPT-2 350M and 774M: only the shape, the micro-batch and out_dir differ from gpt2-124m."""
+    cfg, small = TrainConfig.load(preset), TrainConfig.load("gpt2-124m")
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.micro_batch_size) == (*shape, micro_batch_size)
+    assert cfg.out_dir == f"runs/{preset}"
+    differ = {"n_layer", "n_head", "n_embd", "micro_batch_size", "out_dir", "config"}
+    assert {k: v for k, v in cfg.to_dict().items() if k not in differ} == {
+        k: v for k, v in small.to_dict().items() if k not in differ
+    }
+    assert cfg.grad_accum_steps(8) == 64 // micro_batch_size
+
+
 def test_unknown_key_lists_close_matches(tmp_path: Path) -> None:
     message = "unknown train setting 'learnin_rate' in the command line; did you mean learning_rate?"
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -138,7 +156,7 @@ def test_misspelt_preset_names_the_close_ones() -> None:
         preset_values(TrainConfig, "tiny-cpuu")
     with pytest.raises(ConfigError, match="nor a prepare preset; did you mean tinyshakespeare"):
         preset_values(PrepareConfig, "tinyshakespear")
-    with pytest.raises(ConfigError, match="presets: gpt2-124m, tiny-cpu"):
+    with pytest.raises(ConfigError, match="presets: gpt2-124m, gpt2-large, gpt2-medium, shakespeare-char, tiny-cpu"):
         preset_values(TrainConfig, "nothing-like-it")
 
 

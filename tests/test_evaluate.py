@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from conftest import HELLASWAG, REPO, accelerate_cmd, run_cmd, write_token_shards
 
 from accel_gpt.cli import main
@@ -32,6 +33,7 @@ from accel_gpt.evaluate.hellaswag import (
     collate,
     load_hellaswag,
 )
+from accel_gpt.metrics import read_metrics
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.weights import ModelCard, load_model, save_weights
@@ -291,7 +293,11 @@ def test_hand_built_case_through_run_eval(workdir: Path, one_rank: None, capsys:
     src = write_jsonl(workdir / "hand.jsonl", HAND)
     out = workdir / "hand_preds.jsonl"
     result = eval_here(capsys, "--checkpoint", str(checkpoint), "--hellaswag", str(src), "--out", str(out))
-    assert result == {"acc_norm": 1.0, "acc": 0.5, "correct_norm": 2, "correct": 1, "total": 2, "num_processes": 1}
+    # standard errors sqrt(p (1 - p) / (n - 1)): 0 for 2 of 2, sqrt(0.25 / 1) = 0.5 for 1 of 2
+    assert result == {
+        "acc_norm": 1.0, "acc": 0.5, "acc_norm_stderr": 0.0, "acc_stderr": 0.5, "correct_norm": 2, "correct": 1,
+        "total": 2, "num_processes": 1,
+    }  # fmt: skip
     preds = [json.loads(line) for line in out.read_text().splitlines()]
     assert preds == [
         {"ind": 7, "label": 1, "pred_norm": 1, "pred_sum": 0},
@@ -363,8 +369,9 @@ def test_trainer_style_ddp_model_on_every_rank(launches: dict) -> None:
             assert row[key] == cli[key]
         assert row["val_loss"] == pytest.approx(cli["val_loss"], abs=1e-6)
         evaluator = row["evaluator"]
-        assert set(evaluator) == {"val_loss", "hellaswag_acc_norm", "hellaswag_acc"}
-        assert (evaluator["hellaswag_acc_norm"], evaluator["hellaswag_acc"]) == (cli["acc_norm"], cli["acc"])
+        hellaswag = ("acc_norm", "acc", "acc_norm_stderr", "acc_stderr")
+        assert set(evaluator) == {"val_loss", *(f"hellaswag_{key}" for key in hellaswag)}
+        assert [evaluator[f"hellaswag_{key}"] for key in hellaswag] == [cli[key] for key in hellaswag]
         assert evaluator["val_loss"] == pytest.approx(cli["val_loss"], abs=1e-6)
     assert ranks[0]["text"] == ranks[1]["text"]
     assert ranks[0]["text"].startswith("Hello") and len(ranks[0]["text"]) > len("Hello")
@@ -545,3 +552,47 @@ def test_out_must_be_a_writable_file_and_is_checked_first(
         f"error: cannot write --out a_file/preds.jsonl: {tmp_path / 'a_file'} is not a writable folder"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "preds"] and not list(folder.iterdir())
+
+
+# ------------------------------------------------------------------------------ a run's own settings
+
+
+@pytest.mark.slow
+def test_eval_of_a_run_reports_the_val_loss_it_logged(tiny_run: Path, one_rank: None, capsys) -> None:
+    """Its final weights and its step-4 checkpoint, scored with the run's eval_steps and micro batch (not eval's
+    defaults: 20 x 8 windows would be others), give the val_loss the run logged at step 4; flags still win."""
+    logged = {row["step"]: row for row in read_metrics(tiny_run / "metrics.jsonl")}
+    data_dir = yaml.safe_load((tiny_run / "config.yaml").read_text())["data_dir"]
+    for weights in (tiny_run, tiny_run / "checkpoints" / "step_00000004"):
+        result = eval_here(capsys, "--checkpoint", str(weights), "--data_dir", data_dir)
+        assert (result["eval_steps"], result["batch_size"]) == (3, 2)
+        assert result["val_loss"] == pytest.approx(logged[4]["val_loss"], abs=1e-4)
+    checkpoint = tiny_run / "checkpoints" / "step_00000002"
+    assert eval_here(capsys, "--checkpoint", str(checkpoint), "--data_dir", data_dir)["val_loss"] == pytest.approx(
+        logged[2]["val_loss"], abs=1e-4
+    )
+    flags = eval_here(capsys, "--checkpoint", str(tiny_run), "--data_dir", data_dir, "--eval_steps", "20")
+    assert (flags["eval_steps"], flags["batch_size"]) == (20, 2)
+    assert abs(flags["val_loss"] - logged[4]["val_loss"]) > 1e-4  # 40 windows are not the run's 6
+
+
+def test_weights_without_their_run_take_the_default_settings(
+    tiny_checkpoint: Path, val_data: Path, one_rank: None, capsys
+) -> None:
+    result = eval_here(capsys, "--checkpoint", str(tiny_checkpoint), "--data_dir", str(val_data))
+    assert (result["eval_steps"], result["batch_size"]) == (20, 8)
+
+
+def test_hellaswag_standard_error_is_lm_eval_harness_s() -> None:
+    """The sample standard deviation of the 0/1 outcomes over sqrt(n), as lm-evaluation-harness reports it."""
+    from accel_gpt.evaluate.hellaswag import Prediction, describe, hellaswag_metrics
+
+    outcomes = [1, 0, 0, 1, 0, 0, 0]
+    predictions = [Prediction(i, i, 0, 0 if hit else 1, 0) for i, hit in enumerate(outcomes)]
+    metrics = hellaswag_metrics(predictions)
+    expected = float(np.std(outcomes, ddof=1) / math.sqrt(len(outcomes)))
+    assert metrics["acc_norm_stderr"] == pytest.approx(expected, rel=1e-12)
+    assert metrics["acc_stderr"] == 0.0 and metrics["acc"] == 1.0  # every pred_sum is right
+    assert describe(metrics) == f"acc_norm {2 / 7:.4f} ± {expected:.4f} on 7"
+    single = hellaswag_metrics(predictions[:1])
+    assert single["acc_norm_stderr"] is None and describe(single) == "acc_norm 1.0000 on 1"

@@ -261,7 +261,7 @@ def test_export_command_in_process_names_the_folder(exported, tmp_path, capsys):
     out = tmp_path / "hf"
     cli_main(["export", "--checkpoint", str(run_dir), "--out_dir", str(out)])
     assert capsys.readouterr().out.strip() == (
-        f"exported {run_dir} -> {out} (GPT2LMHeadModel + GPT-2 tokenizer, vocab 50257)"
+        f"exported {run_dir} -> {out} (GPT2LMHeadModel + GPT-2 tokenizer, vocab 50257, model card)"
     )
     assert (out / "model.safetensors").is_file()
 

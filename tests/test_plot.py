@@ -200,3 +200,22 @@ def test_missing_matplotlib_says_which_extra_to_install(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     err = _plot_error(capsys, str(write_run(tmp_path / "a", 4, hellaswag=False)), "--out", str(tmp_path / "x.png"))
     assert "pip install 'accel_gpt[plot]'" in err
+
+
+def test_hellaswag_gets_bars_of_one_standard_error(tmp_path: Path) -> None:
+    """Where a run logged `<metric>_stderr`, each point gets a bar from value - stderr to value + stderr."""
+    run = write_run(tmp_path / "a", 8, hellaswag=True)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if "hellaswag_acc_norm" in row:
+            row |= {"hellaswag_acc_norm_stderr": 0.05, "hellaswag_acc_stderr": 0.04}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    panels = axes_by_title(make_figure(load_runs([run, write_run(tmp_path / "b", 8, hellaswag=True)])))
+    bars = [segments for c in panels["HellaSwag"].collections for segments in c.get_segments()]
+    acc_norm = [(step, 0.25 + 0.01 * step, 0.05) for step in (4, 8)]
+    expected = acc_norm + [(step, 0.24 + 0.01 * step, 0.04) for step in (4, 8)]
+    assert sorted((s[0][0], s[0][1], s[1][1]) for s in bars) == pytest.approx(
+        sorted((step, value - e, value + e) for step, value, e in expected)
+    )  # run b logged no standard errors: no bars
+    assert "standard error" in panels["HellaSwag"].get_ylabel()
+    assert not panels["loss"].collections

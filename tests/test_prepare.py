@@ -79,8 +79,10 @@ def opts(tmp_path: Path, dataset: Path | str, name: str = "out", **kw) -> Prepar
 
 
 def cli_config(argv: list[str]) -> PrepareConfig:
-    """The config `run.py prepare ARGV` runs with: flags over the preset over the defaults."""
-    command, cfg = parse(["prepare", *argv])
+    """The config `run.py prepare ARGV` runs with: flags over the preset over the defaults (plus an --out_dir,
+    which prepare requires, where ARGV gives none)."""
+    out_dir = [] if "--out_dir" in argv else ["--out_dir", "data/x"]
+    command, cfg = parse(["prepare", *argv, *out_dir])
     assert command == "prepare" and isinstance(cfg, PrepareConfig)
     return cfg
 
@@ -574,14 +576,14 @@ def test_parts_merge_into_the_single_run_stream(tmp_path: Path, docs: list[str],
 
 
 def test_part_comes_from_the_flags_else_rank_and_world_size() -> None:
-    cfg = PrepareConfig(dataset="x.txt")
+    cfg = PrepareConfig(dataset="x.txt", out_dir="data/shards")
     launched = {"RANK": "1", "WORLD_SIZE": "2"}
     assert Job.of(cfg, launched).data_dir == Path("data/shards/part-00001-of-00002")
     assert Job.of(cfg, {}).data_dir == Path("data/shards") == Job.of(cfg, {"RANK": "0", "WORLD_SIZE": "1"}).data_dir
-    flags = PrepareConfig(dataset="x.txt", num_shards=3, shard_index=2)
+    flags = PrepareConfig(dataset="x.txt", out_dir="data/shards", num_shards=3, shard_index=2)
     assert (Job.of(flags, launched).index, Job.of(flags, launched).count) == (2, 3)
     with pytest.raises(ConfigError, match="char tokenizer"):
-        Job.of(PrepareConfig(dataset="x.txt", tokenizer="char"), launched)
+        Job.of(PrepareConfig(dataset="x.txt", out_dir="data/shards", tokenizer="char"), launched)
     with pytest.raises(ConfigError, match="go together"):
         PrepareConfig(dataset="x.txt", num_shards=3)
     identity = Job.of(cfg, launched).identity()
@@ -773,3 +775,40 @@ def test_disk_full_keeps_the_finished_shards_for_a_resume(tmp_path: Path, docs: 
     cli_main(["prepare", *argv, "--out_dir", str(out)])
     assert capsys.readouterr().out.startswith("resumed and prepared: ")
     assert files_of(out) == files_of(tmp_path / "reference")
+
+
+def test_out_dir_is_required_and_a_missing_val_split_is_said(
+    tmp_path: Path, docs: list[str], capsys, monkeypatch
+) -> None:
+    src = write_txt(tmp_path / "docs.txt", docs[:20])
+    monkeypatch.chdir(tmp_path)
+    assert _cli_error(capsys, ["--dataset", str(src)]) == (
+        "error: prepare needs --out_dir DIR: the folder for the shards and manifest.json (train's data_dir)"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["docs.txt"]  # no data/shards made up
+    cli_main(["prepare", "--dataset", str(src), "--out_dir", str(tmp_path / "no_val")])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("prepared: ") and out[0].endswith(f"-> {tmp_path / 'no_val'}")
+    assert out[1].startswith(f"note: no val split in {tmp_path / 'no_val'} (neither --val_tokens nor --val_split)")
+    cli_main(["prepare", "--dataset", str(src), "--out_dir", str(tmp_path / "val"), "--val_tokens", "100"])
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_the_rate_has_a_unit_that_shows_its_digits() -> None:
+    from accel_gpt.data.prepare import tokens_per_second
+
+    assert tokens_per_second(830, 1.0) == "830 tokens/s"
+    assert tokens_per_second(41_234, 1.0) == "41.2K tokens/s"
+    assert tokens_per_second(2_500_000, 2.0) == "1.25M tokens/s"
+    assert tokens_per_second(10, 0.0).endswith(" tokens/s")  # an instant prepare divides by no zero
+
+
+def test_a_folder_without_data_says_how_to_prepare_it(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for folder, start in ((tmp_path / "empty", "no manifest.json in data_dir"), (tmp_path / "gone", "data_dir")):
+        with pytest.raises(DataError) as err:
+            shards.read_manifest(folder)
+        message = str(err.value)
+        assert message.startswith(start)
+        assert f"`run.py prepare --dataset SRC --out_dir {folder}`" in message
+        assert f"`run.py prepare --preset NAME --out_dir {folder}` (NAME: fineweb-edu-10B, shakespeare-char" in message

@@ -249,7 +249,8 @@ def test_readme_resume_continues_the_run(quickstart: QuickStart, tmp_path: Path)
     work, _ = quickstart
     (tmp_path / "data").symlink_to(work / "data", target_is_directory=True)
     shutil.copytree(work / "runs" / "tiny-cpu", tmp_path / "runs" / "tiny-cpu")
-    out = run_readme(readme_command("python run.py train", "--resume auto"), tmp_path, ["--max_steps", "4"]).stderr
+    resume = readme_command("python run.py train --config tiny-cpu --resume")
+    out = run_readme(resume, tmp_path, ["--max_steps", "4"]).stderr
     assert "finished at step 4/4" in out
     assert [r["step"] for r in metrics(tmp_path / "runs" / "tiny-cpu")] == [1, 2, 3, 4]
 

@@ -26,6 +26,7 @@ from conftest import REPO, accelerate_cmd, python_cmd, run_cmd, subprocess_env, 
 from safetensors.torch import load_file
 
 from accel_gpt.config import TrainConfig
+from accel_gpt.files import LOCK
 from accel_gpt.optim import lr_multiplier
 from accel_gpt.weights import load_model
 
@@ -214,6 +215,7 @@ def test_rollback_by_path_then_auto_continues_the_new_line(data: Path, run_a: Pa
     ]
     assert [r["step"] for r in rows(retired)] == list(range(1, 21)), "the abandoned line's rows are kept there"
     assert not (run / "model.safetensors").exists()
+    assert (run / LOCK).read_text() == f"pid {p.workers[0]} on {os.uname().nodename}"  # the dead holder's: taken over
 
     final = train(data, run, *NEW_LINE, "--resume", "auto").stderr
     assert f"resumed from {ckpt(run, 15)} at step 15" in final
@@ -323,6 +325,43 @@ def test_resume_survives_stray_metrics_lines_and_an_unreadable_marker(data: Path
     assert names[0] == "step_00000002" and names[-1] == "step_00000006" and len(names) <= 3, names
 
 
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 640 KiB tmpfs: room for one checkpoint of these models (about 400 KB), not two; remountable larger."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(folder)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    yield folder
+    subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(
+    data: Path, small_disk: Path, processes: int
+) -> None:
+    """The kernel's own ENOSPC while step 2 is saved (torch reports it as `basic_ios::clear: iostream error`): one
+    line on every rank, printed once, that names the intact step 1; no temporary left; after making room,
+    `--resume auto` goes on from step 1."""
+    out = small_disk / "run"
+    args = ("--max_steps", "4", "--save_every", "1", "--keep_checkpoints", "2")
+    proc = train(data, out, *args, processes=processes, check=False)
+    assert proc.returncode != 0 and f'File "{REPO / "accel_gpt"}' not in proc.stderr, proc.stderr[-3000:]
+    assert processes == 2 or "Traceback" not in proc.stderr  # torchrun's own ChildFailedError page: see the README
+    (line,) = errors(proc.stderr)
+    assert line == (
+        f"error: cannot save checkpoint {ckpt(out, 2)}: no space left on the device; the run stopped after step 2 "
+        f"and the previous checkpoint, {ckpt(out, 1)}, is intact: make room (or fix the folder), then continue with "
+        "--resume auto"
+    )
+    assert checkpoints(out) == ["step_00000001"] and not (out / "model.safetensors").exists()
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
+    resumed = train(data, out, *args, "--resume", "auto", processes=processes).stderr
+    assert f"resumed from {ckpt(out, 1)} at step 1" in resumed and "finished at step 4/4" in resumed
+    assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
+
+
 # ------------------------------------------------------------------------------------------ 7. divergence
 
 
@@ -362,9 +401,10 @@ def test_a_second_ctrl_c_aborts_without_saving(data: Path, tmp_path: Path) -> No
 def test_ctrl_c_under_accelerate_launch(data: Path, tmp_path: Path, presses: int) -> None:
     """What the README says a user sees: Ctrl-C reaches the launcher alone; it forwards SIGINT, the workers finish
     the step, save and exit 0, and torchrun still exits 1 with a SignalException traceback. A second Ctrl-C makes
-    torchrun send SIGTERM, which after a SIGINT aborts: nothing more is saved."""
+    torchrun send SIGTERM, which after a SIGINT aborts: nothing more is saved. With log_every 5 the stop after step 4
+    shows that a SIGINT, like a SIGTERM, does not wait for the next log step."""
     out = tmp_path / "run"
-    args = flags(data, out, "--max_steps", "8", "--save_every", "3")
+    args = flags(data, out, "--max_steps", "8", "--save_every", "3", "--log_every", "5")
     with paused(2, "--pause_at 4", args, tmp_path) as p:
         p.signal(signal.SIGINT, launcher_only=True)
         p.wait_for(lambda: "SIGINT: finishing the current step" in p.output, "the forwarded SIGINT")

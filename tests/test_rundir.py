@@ -131,7 +131,8 @@ def _train(data: Path, out: Path, *args: str, check: bool = True) -> subprocess.
 @pytest.mark.slow
 def test_second_run_into_a_used_folder_is_refused_then_overwrite_replaces_it(data: Path, tmp_path: Path) -> None:
     """Run 1 (2 layers, 6 steps, no checkpoints); run 2 (1 layer, 2 steps) into the same folder is refused and
-    changes nothing; with --overwrite true it replaces run 1 whole: no file of run 1 is left beside run 2's."""
+    changes nothing, and so is `--resume auto`, which has no checkpoint to continue from; with --overwrite true run 2
+    replaces run 1 whole: no file of run 1 is left beside run 2's."""
     out = tmp_path / "R"
     _train(data, out, "--save_every", "0", "--max_steps", "6", "--keep_checkpoints", "0")
     (out / "notes.txt").write_text("the user's own file")
@@ -141,6 +142,11 @@ def test_second_run_into_a_used_folder_is_refused_then_overwrite_replaces_it(dat
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and "holds another run" in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    assert snapshot(out) == before
+    proc = _train(data, out, *second[2:], "--resume", "auto", check=False)  # nothing to continue: not a silent restart
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "holds a run's final weights but no complete checkpoint to continue from" in errors[0]
     assert snapshot(out) == before
     proc = _train(data, out, *second, "--overwrite", "true")
     assert "overwrite: removed the earlier run's config.yaml, metrics.jsonl, model.safetensors" in proc.stderr

@@ -3,6 +3,7 @@ wrapped models, prompt encoding, the CLI."""
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 from conftest import python_cmd, run_cmd
 
+from accel_gpt.cli import main as cli_main
 from accel_gpt.cli import parse
 from accel_gpt.errors import ConfigError, UserError
-from accel_gpt.generate import encode_prompt, generate, sample_texts, usable_device
+from accel_gpt.generate import context_warning, encode_prompt, generate, sample_ids, sample_texts, usable_device
 from accel_gpt.model import GPT, GPTConfig, KVCache
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.weights import MODEL_CONFIG, ModelCard, load_model, save_weights
@@ -189,3 +191,85 @@ def test_cli_prints_the_seeded_samples(checkpoint: Path, loaded) -> None:
     assert texts[0] != texts[1]  # two draws from one generator, not one draw twice
     expected = f"{texts[0]}\n{'-' * 40}\n{texts[1]}\n"
     assert proc.stdout == expected.replace("\r\n", "\n").replace("\r", "\n")  # text-mode pipes translate \r
+
+
+# ------------------------------------------------------------------------------ end-of-text and the window
+
+EOT = 50256
+
+
+def eot_model(eot_logit: float) -> GPT:
+    """A model whose next-token logits are the same at every position: 0 for every token but end-of-text, which gets
+    `eot_logit` (ln_f's weight is 0, so its output is its bias, e_0; the head's column 0 is the only one it reads)."""
+    torch.manual_seed(0)
+    model = GPT(TINY).eval()
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        model.transformer.wte.weight[:, 0] = 0.0
+        model.transformer.wte.weight[EOT, 0] = eot_logit
+    return model
+
+
+def test_samples_stop_at_end_of_text_and_are_the_unstopped_text_cut_there() -> None:
+    """End-of-text with probability 0.2 per token: each stopped sample is the sample drawn without stopping, up to
+    its first end-of-text (the finished rows keep drawing, so the others' draws do not change)."""
+    model, tok = eot_model(math.log(0.25 * (TINY.vocab_size - 1))), Tokenizer("gpt2")
+    args = (model, TINY, tok, "Once", 30, 1.0, None, 11, "cpu", 6)
+    full = sample_ids(*args, stop_at_eot=False)
+    stopped = sample_ids(*args)
+    assert sum(EOT in row[1:] for row in full) >= 4  # the test has rows that meet end-of-text to stop at
+    prompt = tok.encode("Once")
+    for whole, cut in zip(full, stopped, strict=True):
+        new = whole[len(prompt) :]
+        assert cut == (whole[: len(prompt) + new.index(EOT) + 1] if EOT in new else whole)
+    texts = sample_texts(*args)
+    assert texts == [tok.decode(row[:-1] if row[-1] == EOT and len(row) > len(prompt) else row) for row in stopped]
+    assert all("<|endoftext|>" not in text for text in texts)
+    assert any("<|endoftext|>" in text for text in sample_texts(*args, stop_at_eot=False))
+    # all rows done: the loop ends early; run to the end, the same texts
+    assert sample_texts(*args, stop_early=False) == texts
+    assert len(generate(model, TINY, torch.tensor([prompt] * 6), 30, 1.0, None,
+                        torch.Generator().manual_seed(11), stop_token=EOT).tolist()[0]) < len(prompt) + 30  # fmt: skip
+
+
+def test_sample_command_stops_at_end_of_text_unless_told_to_go_on(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "eot"
+    model = eot_model(30.0)  # end-of-text is the greedy choice at every step
+    save_weights(model.state_dict(), ModelCard(TINY, Tokenizer("gpt2"), step=0), path)
+    argv = ["sample", "--checkpoint", str(path), "--prompt", "Hello", "--temperature", "0", "--device", "cpu"]
+    cli_main([*argv, "--max_new_tokens", "5"])
+    assert capsys.readouterr().out == "Hello\n"
+    cli_main([*argv, "--max_new_tokens", "5", "--stop_at_eot", "false"])
+    assert capsys.readouterr().out == "Hello" + "<|endoftext|>" * 5 + "\n"
+
+
+def test_sample_command_warns_once_when_it_outgrows_the_window(checkpoint: Path, capsys) -> None:
+    argv = ["sample", "--checkpoint", str(checkpoint), "--prompt", "Hello there", "--device", "cpu"]
+    cli_main([*argv, "--max_new_tokens", "63", "--stop_at_eot", "false"])  # 2 + 63 tokens: the last read 64
+    assert capsys.readouterr().err == ""
+    cli_main([*argv, "--max_new_tokens", "70", "--stop_at_eot", "false", "--num_samples", "2"])
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: the samples outgrew the model's 64-token context (prompt 2 tokens + 70 new): past it, each new "
+        "token was predicted from the 64 tokens before it"
+    ]
+    assert context_warning([[1] * 80], 70, 64).startswith("warning: the prompt has 70 tokens, more than the model's")
+    assert context_warning([[1] * 70], 70, 64) is None  # nothing generated: the model read nothing
+
+
+def test_training_samples_stop_at_end_of_text(monkeypatch) -> None:
+    """The Evaluator's sample (every rank, all sample_tokens forward passes) is cut where the model wrote it."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from accel_gpt.config import TrainConfig
+    from accel_gpt.evaluate.evaluator import Evaluator
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = TrainConfig(data_dir="unused", eval_every=0, sample_tokens=6, sample_prompt="Hello", seed=3)
+    try:
+        evaluator = Evaluator(cfg, Accelerator(cpu=True), eot_model(30.0), ModelCard(TINY, Tokenizer("gpt2")), [])
+        assert evaluator._sample() == "Hello"
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -239,3 +239,12 @@ def test_loss_falls_on_shakespeare(tmp_path: Path, shakespeare_shards: Path) -> 
     assert rows[-1]["val_loss"] < first - 3.0
     for name in ("config.yaml", "metrics.jsonl", "model.safetensors", "model_config.json"):
         assert (out / name).is_file(), name
+
+
+def test_no_mfu_without_a_known_peak() -> None:
+    """A CPU has no honest peak FLOP/s to divide by: no MFU (null in metrics.jsonl, "-" in the benchmark's table)."""
+    from accel_gpt.tracking import device_peak_flops
+    from bench.train_throughput import mfu
+
+    assert device_peak_flops(torch.device("cpu")) is None
+    assert mfu(5e9, None) == "-" and mfu(5e9, 1e10) == "50.0%"

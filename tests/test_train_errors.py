@@ -84,7 +84,8 @@ def test_missing_data_dir(capsys: pytest.CaptureFixture, tmp_path: Path) -> None
 
 def test_missing_manifest(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    assert "no manifest.json" in _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(tmp_path / "empty"))
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(tmp_path / "empty"))
+    assert "no manifest.json" in err and "prepare --dataset SRC --out_dir" in err and "prepare --preset NAME" in err
 
 
 def test_vocab_larger_than_model(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> None:
@@ -119,6 +120,58 @@ def test_token_id_beyond_the_model_vocabulary(capsys: pytest.CaptureFixture, tmp
 
 
 @pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--grad_clip", "nan"], "grad_clip=nan must be a finite number"),
+        (["--learning_rate", "inf"], "learning_rate=inf must be a finite number"),
+        (["--learning_rate", "nan"], "learning_rate=nan must be a finite number"),
+        (["--weight_decay", "nan"], "weight_decay=nan must be a finite number"),
+        (["--weight_decay", "inf"], "weight_decay=inf must be a finite number"),
+        (["--beta1", "1.5"], "beta1=1.5 must be in [0, 1)"),
+        (["--seed=-1"], "seed=-1 must be >= 0"),
+        (["--eval_steps", "0", "--eval_every", "2"], "eval_steps=0 leaves nothing to evaluate"),
+    ],
+)
+def test_invalid_optimization_settings(
+    capsys: pytest.CaptureFixture, tmp_path: Path, data: Path, flags: list[str], expected: str
+) -> None:
+    """Values that trained to NaN weights with exit 0, or crashed in torch mid-run, are refused up front."""
+    assert expected in _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(data), *flags)
+
+
+def test_unencodable_sample_prompt(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> None:
+    """Checked at start-up, not at the first evaluation after minutes of training."""
+    flags = ["--eval_every", "1", "--eval_steps", "1", "--sample_tokens", "4", "--sample_prompt", "\u20acuro"]
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(data), *flags)
+    assert "cannot encode the prompt: character '\u20ac' is not in this char vocabulary" in err
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("dtype", "bogus", "dtype must be uint16 or uint32, got 'bogus'"),
+        ("vocab_size", "50257", "vocab_size must be a positive integer, got '50257'"),
+        ("splits", [], "splits must map split names to lists of shards, got []"),
+    ],
+)
+def test_manifest_fields_of_the_wrong_type(
+    capsys: pytest.CaptureFixture, tmp_path: Path, data: Path, field: str, value: object, expected: str
+) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    manifest = json.loads((data / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**manifest, field: value}))
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(bad))
+    assert f"{bad / 'manifest.json'}: {expected}; re-run `run.py prepare`" in err
+
+
+def test_yaml_that_is_not_utf8(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> None:
+    (tmp_path / "latin1.yaml").write_bytes("sample_prompt: caf\u00e9\n".encode("latin-1"))
+    err = _fails(capsys, tmp_path / "o", "--config", str(tmp_path / "latin1.yaml"), *TINY, "--data_dir", str(data))
+    assert f"{tmp_path / 'latin1.yaml'} is not valid UTF-8 YAML: 'utf-8' codec can't decode byte 0xe9" in err
+
+
+@pytest.mark.parametrize(
     ("log_with", "expected"), [("tb", "did you mean tensorboard?"), ("bogus", "tensorboard, wandb")]
 )
 def test_unknown_tracker(
@@ -136,3 +189,30 @@ def test_tracker_not_installed(capsys: pytest.CaptureFixture, tmp_path: Path, da
         pytest.skip(f"{tracker} is installed here")
     err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(data), "--log_with", tracker)
     assert f'{tracker} is not installed; pip install -e ".[{tracker}]"' in err
+
+
+def test_attention_backend_needs_cuda(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> None:
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(data), "--attention_backend", "flash")
+    assert "attention_backend flash" in err and "cpu" in err
+
+
+def test_attention_backend_switches_only_the_chosen_kernel() -> None:
+    """On CUDA a forced kernel leaves the others off, so a call it cannot run fails instead of falling back."""
+    import torch
+
+    from accel_gpt.runtime import ATTENTION_SWITCHES, use_attention_backend
+
+    enabled = {
+        "flash": torch.backends.cuda.flash_sdp_enabled,
+        "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
+        "efficient": torch.backends.cuda.mem_efficient_sdp_enabled,
+        "math": torch.backends.cuda.math_sdp_enabled,
+    }
+    before = {name: on() for name, on in enabled.items()}
+    try:
+        for choice in ATTENTION_SWITCHES:
+            use_attention_backend(choice, torch.device("cuda"))
+            assert {name: on() for name, on in enabled.items()} == {name: name == choice for name in enabled}
+    finally:
+        for name, on in before.items():
+            ATTENTION_SWITCHES[name](on)

@@ -143,7 +143,7 @@ class Summary:
         )
         total = sum(self.tokens.values())
         tokenized = self.status in ("prepared", "resumed and prepared")
-        rate = f", {total / self.seconds / 1e6:.2f}M tokens/s" if tokenized else ""
+        rate = f", {tokens_per_second(total, self.seconds)}" if tokenized else ""
         skipped = f" (skipped {self.skipped_null:,} rows with no text)" if self.skipped_null else ""
         return (
             f"{self.status}: {sum(self.documents.values()):,} documents{skipped}, {total:,} tokens ({per_split}) "
@@ -151,14 +151,28 @@ class Summary:
         )
 
 
+def tokens_per_second(tokens: int, seconds: float) -> str:
+    """A rate in the unit that shows its digits: 830 tokens/s, 41.2K tokens/s, 1.25M tokens/s."""
+    rate = tokens / max(seconds, 1e-9)
+    if rate >= 1e6:
+        return f"{rate / 1e6:.2f}M tokens/s"
+    return f"{rate / 1e3:.1f}K tokens/s" if rate >= 1e3 else f"{rate:.0f} tokens/s"
+
+
 def run_prepare(cfg: PrepareConfig) -> None:
-    """CLI entry: prepare (or, with --merge, only merge the finished parts), then print one summary line."""
+    """CLI entry: prepare (or, with --merge, only merge the finished parts), then print one summary line, and a
+    second one when no validation split was asked for (train evaluates on it by default)."""
     if cfg.merge:
         start = time.perf_counter()
         merged = _merge_by_hand(Path(cfg.out_dir))
         print(Summary.of("merged", Path(cfg.out_dir), merged, time.perf_counter() - start).line())
         return
     print(prepare(cfg).line())
+    if not cfg.val_tokens and not cfg.val_split:
+        print(
+            f"note: no val split in {cfg.out_dir} (neither --val_tokens nor --val_split): train on it with "
+            "--eval_every 0, or prepare again into a new --out_dir with --val_tokens N to hold N tokens out"
+        )
 
 
 def prepare(cfg: PrepareConfig) -> Summary:

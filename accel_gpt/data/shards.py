@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from accel_gpt.config import PrepareConfig, preset_names
 from accel_gpt.errors import DataError
 from accel_gpt.files import atomic_write_json, publish, temp_sibling
 from accel_gpt.tokenizer import Tokenizer, dtype_for_vocab
@@ -100,16 +101,25 @@ def write_manifest(data_dir: str | Path, manifest: dict[str, Any]) -> None:
     atomic_write_json(Path(data_dir) / MANIFEST, {"format": FORMAT, "version": VERSION, **manifest})
 
 
+def prepare_hint(data_dir: Path) -> str:
+    """How to make `data_dir`: the prepare command with the two ways of naming the text."""
+    presets = ", ".join(preset_names(PrepareConfig))
+    return (
+        f"write it with `run.py prepare --dataset SRC --out_dir {data_dir}` (SRC: a text file or folder, a URL or a "
+        f"hub id) or `run.py prepare --preset NAME --out_dir {data_dir}` (NAME: {presets})"
+    )
+
+
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     """The manifest of a prepared folder, checked for the fields and types every reader relies on."""
     if not str(data_dir):
         raise DataError("data_dir is required: a folder written by `run.py prepare`")
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise DataError(f"data_dir '{data_dir}' does not exist; write it with `run.py prepare --out_dir {data_dir}`")
+        raise DataError(f"data_dir '{data_dir}' does not exist; {prepare_hint(data_dir)}")
     path = data_dir / MANIFEST
     if not path.is_file():
-        raise DataError(f"no {MANIFEST} in data_dir '{data_dir}'; write it with `run.py prepare`")
+        raise DataError(f"no {MANIFEST} in data_dir '{data_dir}'; {prepare_hint(data_dir)}")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -2,14 +2,21 @@
 
     accelerate launch run.py eval --checkpoint P --hellaswag SRC --data_dir D
 
-The JSON holds `acc_norm, acc, correct_norm, correct, total` with --hellaswag, `val_loss` with --data_dir,
-and `num_processes` (the size of the group that computed it): the values are the same for any size.
+The JSON holds `acc_norm, acc` with their standard errors `acc_norm_stderr, acc_stderr`, and `correct_norm,
+correct, total` with --hellaswag; `val_loss` and the `eval_steps, batch_size` it was computed with, with
+--data_dir; and `num_processes` (the size of the group that computed it): the values are the same for any size.
+
+The validation loss is the mean over the first `eval_steps * batch_size` windows of the val split, so it depends
+on those two. For a run's weights (a run dir or one of its checkpoints) they default to the run's own
+`eval_steps` and `micro_batch_size` (its config.yaml): `eval` then reports the val_loss the run logged for those
+weights. Flags override them; weights without their run default to 20 batches of 8.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +37,18 @@ from accel_gpt.evaluate.hellaswag import (
 )
 from accel_gpt.evaluate.val_loss import evaluate_loss
 from accel_gpt.files import atomic_write
+from accel_gpt.rundir import read_run_config, run_of
 from accel_gpt.runtime import make_accelerator
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.weights import ModelCard, load_model
 
+# Without a run to take them from: 160 windows (a GPT-2 124M run's 20 batches of 8 sequences).
+DEFAULT_EVAL_STEPS = 20
+DEFAULT_BATCH_SIZE = 8
+
 
 def run_eval(cfg: EvalConfig) -> None:
+    cfg = with_run_settings(cfg)
     if cfg.out:
         check_out_path(Path(cfg.out))  # before minutes of scoring, not after
     accelerator = make_accelerator()
@@ -62,12 +75,32 @@ def run_eval(cfg: EvalConfig) -> None:
     if windows is not None:
         val_dl = accelerator.prepare_data_loader(DataLoader(windows, batch_size=cfg.batch_size))
         result["val_loss"] = evaluate_loss(model, val_dl, accelerator)
+        result |= {"eval_steps": cfg.eval_steps, "batch_size": cfg.batch_size}
     result["num_processes"] = accelerator.num_processes
     if accelerator.is_main_process:
         if cfg.out and examples is not None:
             write_predictions(Path(cfg.out), predictions)
         print(json.dumps(result))
     accelerator.end_training()
+
+
+def with_run_settings(cfg: EvalConfig) -> EvalConfig:
+    """`cfg` with eval_steps and batch_size set: the flags, else the run's own (see the module), else the defaults
+    (also for a run that never evaluated: its eval_steps may be 0)."""
+    if cfg.eval_steps is not None and cfg.batch_size is not None:
+        return cfg
+    run = run_of(cfg.checkpoint)
+    saved = read_run_config(run) if run is not None else {}
+    steps, batch = saved.get("eval_steps"), saved.get("micro_batch_size")
+    return replace(
+        cfg,
+        eval_steps=cfg.eval_steps or (steps if _positive(steps) else DEFAULT_EVAL_STEPS),
+        batch_size=cfg.batch_size or (batch if _positive(batch) else DEFAULT_BATCH_SIZE),
+    )
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def val_data(cfg: EvalConfig, card: ModelCard) -> Subset:

@@ -27,6 +27,7 @@ from accel_gpt.data.loader import has_val, source_names, val_windows
 from accel_gpt.errors import ConfigError
 from accel_gpt.evaluate.hellaswag import (
     check_vocabulary,
+    describe,
     hellaswag_loader,
     hellaswag_metrics,
     load_hellaswag,
@@ -37,6 +38,8 @@ from accel_gpt.generate import encode_prompt, sample_texts
 from accel_gpt.weights import ModelCard
 
 logger = get_logger(__name__)
+# The HellaSwag results a metrics row gets, each as `hellaswag_<key>`.
+HELLASWAG_KEYS = ("acc_norm", "acc", "acc_norm_stderr", "acc_stderr")
 
 
 @dataclass
@@ -109,8 +112,8 @@ class Evaluator:
                     logger.info(f"sample at step {step}: {self._sample()!r}")
             if self._hellaswag_due(step, last):
                 metrics = hellaswag_metrics(score_hellaswag(self.model, self.accelerator, self.hellaswag_dl))
-                logger.info(f"HellaSwag at step {step}: acc_norm {metrics['acc_norm']:.4f} on {metrics['total']}")
-                row |= {"hellaswag_acc_norm": metrics["acc_norm"], "hellaswag_acc": metrics["acc"]}
+                logger.info(f"HellaSwag at step {step}: {describe(metrics)}")
+                row |= {f"hellaswag_{key}": metrics[key] for key in HELLASWAG_KEYS}
         return row
 
     def _val_losses(self) -> dict[str, float]:
@@ -133,6 +136,7 @@ class Evaluator:
             top_k=50,
             seed=self.cfg.seed,
             device=self.accelerator.device,
+            stop_early=False,  # every rank runs sample_tokens forward passes (see accel_gpt.generate)
         )
         return text
 
