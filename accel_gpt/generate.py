@@ -15,6 +15,7 @@ text is cut at end-of-text afterwards.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -75,41 +76,14 @@ def generate(
 
 
 def sample_texts(
-    model: torch.nn.Module,
-    cfg: GPTConfig,
-    tokenizer: Tokenizer,
-    prompt: str,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int,
-    device: str | torch.device,
-    num_samples: int = 1,
-    use_cache: bool = True,
-    stop_at_eot: bool = True,
-    stop_early: bool = True,
+    model: torch.nn.Module, cfg: GPTConfig, tokenizer: Tokenizer, prompt: str, *args: Any, **kwargs: Any
 ) -> list[str]:
     """`num_samples` continuations of `prompt` (each returned with the prompt in front), drawn together
-    from one generator seeded with `seed`: the same arguments give the same texts. Accepts a prepared
-    model as it is (no unwrap needed); `device` is where the model lives (`accelerator.device` in training).
-    With `stop_at_eot` a text ends before the first end-of-text the model writes (see `sample_ids`)."""
-    rows = sample_ids(
-        model,
-        cfg,
-        tokenizer,
-        prompt,
-        max_new_tokens,
-        temperature,
-        top_k,
-        seed,
-        device,
-        num_samples,
-        use_cache,
-        stop_at_eot,
-        stop_early,
-    )
-    prompt_len = len(encode_prompt(tokenizer, prompt))
-    return [tokenizer.decode(without_stop(row, prompt_len, tokenizer.eot_token, stop_at_eot)) for row in rows]
+    from one generator seeded with `seed`: the same arguments (those of `sample_ids`) give the same texts. Accepts
+    a prepared model as it is (no unwrap needed); `device` is where the model lives (`accelerator.device` in
+    training). With `stop_at_eot` (the default) a text ends before the first end-of-text the model writes."""
+    rows = sample_ids(model, cfg, tokenizer, prompt, *args, **kwargs)
+    return decode_samples(rows, tokenizer, len(encode_prompt(tokenizer, prompt)), kwargs.get("stop_at_eot", True))
 
 
 def sample_ids(
@@ -155,10 +129,14 @@ def sample_ids(
     return cut
 
 
-def without_stop(row: list[int], prompt_len: int, eot: int | None, stop_at_eot: bool) -> list[int]:
-    """The ids of a sample's text: a final end-of-text that ended the sample is not part of it."""
-    ended = stop_at_eot and eot is not None and len(row) > prompt_len and row[-1] == eot
-    return row[:-1] if ended else row
+def decode_samples(rows: list[list[int]], tokenizer: Tokenizer, prompt_len: int, stop_at_eot: bool) -> list[str]:
+    """The texts of `sample_ids` rows: a final end-of-text that ended a sample is not part of its text."""
+    eot = tokenizer.eot_token
+
+    def ended(row: list[int]) -> bool:
+        return stop_at_eot and eot is not None and len(row) > prompt_len and row[-1] == eot
+
+    return [tokenizer.decode(row[:-1] if ended(row) else row) for row in rows]
 
 
 def context_warning(rows: list[list[int]], prompt_len: int, seq_len: int) -> str | None:
@@ -231,5 +209,4 @@ def run_sample(cfg: SampleConfig) -> None:
     warning = context_warning(rows, prompt_len, card.model.seq_len)
     if warning:
         print(warning, file=sys.stderr)
-    texts = [tokenizer.decode(without_stop(row, prompt_len, tokenizer.eot_token, cfg.stop_at_eot)) for row in rows]
-    print(f"\n{'-' * 40}\n".join(texts))
+    print(f"\n{'-' * 40}\n".join(decode_samples(rows, tokenizer, prompt_len, cfg.stop_at_eot)))

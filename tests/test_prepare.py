@@ -701,7 +701,8 @@ def test_changed_input_is_not_already_prepared(tmp_path: Path, docs: list[str], 
     assert files_of(tmp_path / "out") == before
 
 
-def test_changed_input_is_not_resumed(tmp_path: Path, docs: list[str], monkeypatch, capsys) -> None:
+def interrupted_prepare(tmp_path: Path, docs: list[str], monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A prepare of docs.txt into tmp_path/out that stops right after its first committed shard; returns docs.txt."""
     from accel_gpt.data import pipeline
 
     src = write_txt(tmp_path / "docs.txt", docs)
@@ -715,6 +716,11 @@ def test_changed_input_is_not_resumed(tmp_path: Path, docs: list[str], monkeypat
     with pytest.raises(Interrupt):
         prepare(opts(tmp_path, src, shard_size=1000))
     monkeypatch.undo()
+    return src
+
+
+def test_changed_input_is_not_resumed(tmp_path: Path, docs: list[str], monkeypatch, capsys) -> None:
+    src = interrupted_prepare(tmp_path, docs, monkeypatch)
     write_txt(src, docs[::-1])
     line = _cli_error(capsys, ["--dataset", str(src), "--out_dir", str(tmp_path / "out"), "--shard_size", "1000"])
     assert "the input changed since the interrupted prepare in out_dir" in line and "(docs.txt: " in line
@@ -722,19 +728,7 @@ def test_changed_input_is_not_resumed(tmp_path: Path, docs: list[str], monkeypat
 
 @pytest.mark.parametrize("garble", ["truncated", "missing_key"])
 def test_garbled_state_file_is_one_line(garble: str, tmp_path: Path, docs: list[str], monkeypatch, capsys) -> None:
-    from accel_gpt.data import pipeline
-
-    src = write_txt(tmp_path / "docs.txt", docs)
-    commit = pipeline.StreamWriter._commit
-
-    def crashing_commit(self, resume):
-        commit(self, resume)
-        raise Interrupt
-
-    monkeypatch.setattr(pipeline.StreamWriter, "_commit", crashing_commit)
-    with pytest.raises(Interrupt):
-        prepare(opts(tmp_path, src, shard_size=1000))
-    monkeypatch.undo()
+    src = interrupted_prepare(tmp_path, docs, monkeypatch)
     state = tmp_path / "out" / STATE_FILE
     raw = state.read_text()
     state.write_text(raw[: len(raw) // 2] if garble == "truncated" else json.dumps({"identity": {}}))

@@ -217,7 +217,8 @@ def test_hellaswag_in_training_matches_run_eval_on_the_checkpoint(hellaswag_run:
         evaluated = hellaswag_run["evals"][r["step"]]
         assert evaluated["total"] == HELLASWAG_LIMIT
         assert (r["hellaswag_acc_norm"], r["hellaswag_acc"]) == (evaluated["acc_norm"], evaluated["acc"]), r
-        logged = f"HellaSwag at step {r['step']}: acc_norm {r['hellaswag_acc_norm']:.4f} on {HELLASWAG_LIMIT}"
+        acc, stderr = r["hellaswag_acc_norm"], r["hellaswag_acc_norm_stderr"]
+        logged = f"HellaSwag at step {r['step']}: acc_norm {acc:.4f} ± {stderr:.4f} on {HELLASWAG_LIMIT}"
         assert logged in hellaswag_run["stderr"]
 
 
