@@ -85,7 +85,10 @@ def quickstart_commands() -> list[str]:
 
 
 def readme_command(prefix: str, contains: str = "") -> str:
-    """The one README command starting with `prefix` (and holding `contains`): the test runs what users read."""
+    """The one README command starting with `prefix` (and holding `contains`), or `prefix` itself when it is a whole
+    README command: the test runs what users read."""
+    if prefix in readme_commands() and not contains:
+        return prefix
     found = [c for c in readme_commands() if c.startswith(prefix) and contains in c]
     assert len(found) == 1, f"expected one README command '{prefix} ... {contains}', found {found}"
     return found[0]
@@ -239,7 +242,7 @@ def test_readme_export_loads_in_transformers(
     quickstart: QuickStart, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     work, _ = quickstart
-    out = run_any(readme_command("python run.py export"), work)
+    out = run_any(readme_command("python run.py export --checkpoint runs/tiny-cpu --out_dir exports/tiny-cpu"), work)
     assert "exports/tiny-cpu" in out
     (snippet,) = [body for _, body in code_blocks(README.read_text(), "python") if "from_pretrained" in body]
     monkeypatch.chdir(work)
@@ -263,7 +266,7 @@ def test_readme_resume_continues_the_run(quickstart: QuickStart, tmp_path: Path)
 def test_two_cpu_processes_train_like_one(quickstart: QuickStart) -> None:
     """The README's 2-process CPU launch (cpu_2proc.yaml), then its plot comparing it with the quick start."""
     work, _ = quickstart
-    out = run_readme(readme_command("OMP_NUM_THREADS=1 accelerate launch", "cpu_2proc.yaml"), work, FEW_STEPS).stderr
+    out = run_readme(readme_command("OMP_NUM_THREADS=1 accelerate launch", "--config tiny-cpu"), work, FEW_STEPS).stderr
     assert "2 process(es)" in out and "finished at step 3/3" in out
     one, two = metrics(work / "runs" / "tiny-cpu"), metrics(work / "runs" / "tiny-cpu-2proc")
     assert [r["lr"] for r in two] == [r["lr"] for r in one]
