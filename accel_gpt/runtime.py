@@ -24,7 +24,9 @@ from accel_gpt.errors import ConfigError
 from accel_gpt.workarounds import check_fsdp_can_run, check_group, cpu_only
 
 
-def make_accelerator(accumulation: Callable[[int], int] | None = None, **kwargs: Any) -> Accelerator:
+def make_accelerator(
+    accumulation: Callable[[int], int] | None = None, keep_memory: bool = False, **kwargs: Any
+) -> Accelerator:
     """An Accelerator on the launch's devices; `accumulation(world_size)` gives the micro-steps per optimizer step.
 
     Raises if the group is smaller than WORLD_SIZE. The training stream is endless, so gradients sync on
@@ -33,7 +35,7 @@ def make_accelerator(accumulation: Callable[[int], int] | None = None, **kwargs:
     cpu = cpu_only()
     check_fsdp_can_run(cpu)
     fsdp = fsdp_plugin(kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
-    if cpu:
+    if cpu and keep_memory:  # training's fixed shapes reuse the kept buffers; eval's varying ones fragment them
         keep_freed_memory()
     state = PartialState(cpu=cpu)
     check_group(state)

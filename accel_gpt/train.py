@@ -143,6 +143,7 @@ class Run:
 def build_accelerator(cfg: TrainConfig) -> Accelerator:
     accelerator = make_accelerator(
         cfg.grad_accum_steps,
+        keep_memory=True,
         log_with=resolve_trackers(cfg.log_with),
         project_config=ProjectConfiguration(project_dir=cfg.out_dir, logging_dir=str(Path(cfg.out_dir) / "logs")),
         # The schedule is a function of the optimizer step; a prepared scheduler would otherwise step

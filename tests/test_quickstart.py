@@ -51,9 +51,9 @@ OTHER_COMMANDS = {
     "source .venv/bin/activate": "the shell's source of the venv",
     "pip install torch==2.13.0": "the CI step (test_test_command_is_what_ci_runs)",
     'export MAIN_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': "SLURM: the first node's name",
-    'pip install "lm_eval[hf]"': "lm-evaluation-harness, installed for the comparison in bench/RESULTS.md",
-    "lm_eval --model hf --model_args pretrained=exports/tiny-cpu --tasks hellaswag": (
-        "lm-evaluation-harness's CLI (needs the hub); run offline against `run.py eval` in bench/RESULTS.md"
+    'pip install "lm_eval[hf]>=0.4.13"': "lm-evaluation-harness, the version measured in bench/RESULTS.md",
+    "lm_eval --model hf --model_args pretrained=exports/tiny-cpu-128 --tasks hellaswag": (
+        "lm-evaluation-harness's CLI (reads the hub); run offline against `run.py eval` in bench/RESULTS.md"
     ),
 }
 
