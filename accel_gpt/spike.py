@@ -43,7 +43,7 @@ class SpikeGuard:
 
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """Whether this step is an outlier (a 0-dim bool tensor); if not, its values join the window."""
-        value = torch.stack([loss.detach().float().reshape(()), _plain(grad_norm).float().reshape(())])
+        value = torch.stack([loss.detach().float().reshape(()), grad_norm.float().reshape(())])
         slots = torch.arange(self.size, device=self.values.device)
         held = slots < self.count  # the ring's filled slots (all of them once count >= size)
         n = held.sum().clamp(min=1)
@@ -99,8 +99,3 @@ def optimizer_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) 
         optimizer.step()
     finally:
         del inner.found_inf
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A gradient norm as a plain tensor: under FSDP2 `clip_grad_norm_` returns a replicated DTensor."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t

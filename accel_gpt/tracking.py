@@ -142,7 +142,7 @@ class MetricsLogger:
     def collect(self, step: int) -> list[dict[str, Any]]:
         """Read the window from the device: the ranks' losses averaged in one all-reduce, then one host sync."""
         losses = self.accelerator.reduce(torch.stack([r["loss"] for r in self.rows]), "mean")
-        grad_norms = torch.stack([_local(r["grad_norm"]).float() for r in self.rows])
+        grad_norms = torch.stack([r["grad_norm"].float() for r in self.rows])
         columns = [losses.float(), grad_norms]
         if "skipped" in self.rows[0]:  # the spike guard's decisions come in the same read
             columns.append(torch.stack([r["skipped"] for r in self.rows]).float())
@@ -240,8 +240,3 @@ class MetricsLogger:
             f"finished at step {step}/{max_steps} in {minutes:.1f} min, {tokens_seen:,} tokens seen; {losses}; "
             f"run dir {out_dir} (metrics.jsonl, config.yaml, checkpoints/, model.safetensors)"
         )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A gradient norm as a plain tensor: under FSDP2 `clip_grad_norm_` returns a replicated DTensor."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -90,6 +90,8 @@ def train_step(run: Run, batches: Iterator, accelerator: Accelerator, cfg: Train
     lr = run.scheduler.get_last_lr()[0]  # the rate this update uses
     # The norm of the mean gradient over the whole global batch: DDP has already averaged the ranks' gradients.
     grad_norm = accelerator.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a replicated DTensor: its plain value
+        grad_norm = grad_norm.full_tensor()
     row = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
     if run.guard is not None:
         # The same decision on every rank: the global batch's loss (a device all-reduce, not a host sync) and norm.
