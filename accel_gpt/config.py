@@ -355,7 +355,7 @@ class PrepareConfig(Config):
         "", "plain text only: what one document is (unset: paragraph; document with --tokenizer char)"
     )
     tokenizer: Literal["gpt2", "char"] = option("gpt2", "gpt2 (tiktoken BPE, EOT before every document) or char")
-    out_dir: str = option("", "where shards and manifest.json go, train's data_dir (required; presets set their own)")
+    out_dir: str = option("data/shards", "where shards and manifest.json go: train's data_dir (presets set their own)")
     shard_size: int = option(100_000_000, "tokens per shard")
     val_tokens: int = option(0, "the first N tokens go to the val split (when there is no --val_split)")
     num_proc: int = option(1, "tokenizer worker processes")
@@ -383,9 +383,7 @@ class PrepareConfig(Config):
             names = ", ".join(preset_names(PrepareConfig))
             raise ConfigError(f"prepare needs --dataset (hub id, local file or folder, or URL) or --preset ({names})")
         if not self.out_dir:
-            raise ConfigError(
-                "prepare needs --out_dir DIR: the folder for the shards and manifest.json (train's data_dir)"
-            )
+            raise ConfigError("--out_dir is empty: name the folder for the shards and manifest.json (train's data_dir)")
 
 
 # ------------------------------------------------------------------------------- eval, sample, export, plot

@@ -771,15 +771,16 @@ def test_disk_full_keeps_the_finished_shards_for_a_resume(tmp_path: Path, docs: 
     assert files_of(out) == files_of(tmp_path / "reference")
 
 
-def test_out_dir_is_required_and_a_missing_val_split_is_said(
+def test_the_default_out_dir_and_a_missing_val_split_are_said(
     tmp_path: Path, docs: list[str], capsys, monkeypatch
 ) -> None:
     src = write_txt(tmp_path / "docs.txt", docs[:20])
     monkeypatch.chdir(tmp_path)
-    assert _cli_error(capsys, ["--dataset", str(src)]) == (
-        "error: prepare needs --out_dir DIR: the folder for the shards and manifest.json (train's data_dir)"
-    )
-    assert [p.name for p in tmp_path.iterdir()] == ["docs.txt"]  # no data/shards made up
+    cli_main(["prepare", "--dataset", str(src)])  # the command-line contract: --out_dir is optional
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("-> data/shards") and out[1].startswith("note: no val split in data/shards")
+    assert (tmp_path / "data" / "shards" / "manifest.json").is_file()
+    assert _cli_error(capsys, ["--dataset", str(src), "--out_dir", ""]).startswith("error: --out_dir is empty")
     cli_main(["prepare", "--dataset", str(src), "--out_dir", str(tmp_path / "no_val")])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("prepared: ") and out[0].endswith(f"-> {tmp_path / 'no_val'}")
