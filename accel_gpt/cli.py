@@ -82,10 +82,10 @@ COMMANDS = {
     "plot": Command(
         PlotConfig,
         "accel_gpt.plot:run_plot",
-        "PNG of loss, lr, HellaSwag and tokens/s over steps (runs overlaid)",
-        "Draw train/val loss, learning rate, HellaSwag accuracy and tokens/s over optimizer steps from each run's "
-        "metrics.jsonl; several runs are overlaid, one colour per run, named by their directory. Needs "
-        "matplotlib: pip install 'accel_gpt[plot]'.",
+        "PNG of loss, val bits per byte, lr, HellaSwag and tokens/s over steps (runs overlaid)",
+        "Draw train/val loss, val bits per byte, learning rate, HellaSwag accuracy and tokens/s over optimizer steps "
+        "from each run's metrics.jsonl; several runs are overlaid, one colour per run, named by their directory. "
+        "Needs matplotlib: pip install 'accel_gpt[plot]'.",
     ),
 }
 CONFIG_FLAGS = {"prepare": ("--config", "--preset")}  # prepare's presets were named with --preset first

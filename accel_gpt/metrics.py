@@ -1,9 +1,11 @@
 """`metrics.jsonl`: one JSON object per optimizer step, appended by the main process as training goes.
 
 Every row has `step, loss, lr, grad_norm, tokens_per_sec, mfu, flops_per_sec`; evaluation steps add
-`val_loss`, `hellaswag_acc_norm`, `hellaswag_acc` and their standard errors `hellaswag_acc_norm_stderr`,
-`hellaswag_acc_stderr`; a step the spike guard skipped has `"skipped": true`. A resumed run first cuts the file back
-to the step it continues from, so each step appears once. This module imports no torch: `plot` reads it.
+`val_loss` and `val_bpb` (bits per byte, when the data records its byte count; for a mixture also
+`val_loss/<source>` and `val_bpb/<source>`), `hellaswag_acc_norm`, `hellaswag_acc` and their standard errors
+`hellaswag_acc_norm_stderr`, `hellaswag_acc_stderr`; a step the spike guard skipped has `"skipped": true`. A resumed
+run first cuts the file back to the step it continues from, so each step appears once. This module imports no
+torch: `plot` reads it.
 """
 
 from __future__ import annotations

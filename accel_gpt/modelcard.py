@@ -3,10 +3,10 @@
 The Hub reads the YAML block on top: `library_name` and `pipeline_tag` choose the loading code and the widget,
 `license` is export's `--license`, and `datasets` lists the hub datasets the model was trained on (a local file or
 a URL is named in the text only: the field takes hub ids). The text reports what the run's own files say, never
-more: the shape from the weights' config; steps and tokens from the weights' step and config.yaml; the losses and
-HellaSwag from metrics.jsonl at that step; the data from the manifests in the run's data_dir, named only when its
-training shards are the ones the run's checkpoints recorded (a folder prepared again since would name other
-data); the training command from config.yaml. Weights without their run get the shape and the usage alone.
+more: the shape from the weights' config; steps and tokens from the weights' step and config.yaml; the losses (and
+bits per byte) and HellaSwag from metrics.jsonl at that step; the data from the manifests in the run's data_dir,
+named only when its training shards are the ones the run's checkpoints recorded (a folder prepared again since would
+name other data); the training command from config.yaml. Weights without their run get the shape and the usage alone.
 """
 
 from __future__ import annotations
@@ -212,6 +212,9 @@ def _training_section(t: Training, card: ModelCard) -> list[str]:
     if val is not None:
         windows = f"{c.get('eval_steps', '?')} batches of {c.get('micro_batch_size', '?')} x {card.model.seq_len}"
         rows.append(("validation loss", f"{val['val_loss']:.4f} (step {val['step']:,}; {windows} tokens)"))
+        if val.get("val_bpb") is not None:  # absent when the data's manifest counted no bytes
+            per_byte = "the same evaluation, in bits per UTF-8 byte of text: comparable across tokenizers"
+            rows.append(("validation bits per byte", f"{val['val_bpb']:.4f} ({per_byte})"))
     hs = t.last("hellaswag_acc_norm")
     if hs is not None:
         stderr = hs.get("hellaswag_acc_norm_stderr")

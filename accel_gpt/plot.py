@@ -1,8 +1,9 @@
 """`run.py plot`: one picture of how runs went, from their `metrics.jsonl` alone.
 
-Four panels over optimizer steps: train and val loss (and, for a mixture of data sources, each source's
-val loss), learning rate, HellaSwag accuracy (with a bar of one standard error each way where the run logged
-it: on a few hundred examples the accuracy moves by noise), tokens/s.
+Five panels over optimizer steps: train and val loss (and, for a mixture of data sources, each source's
+val loss), val bits per byte (the one curve that compares runs with different tokenizers; a run whose data has
+no byte count simply has no line there), learning rate, HellaSwag accuracy (with a bar of one standard error each
+way where the run logged it: on a few hundred examples the accuracy moves by noise), tokens/s across the bottom.
 Several runs are overlaid, one colour per run, named by their directory. matplotlib is an optional
 extra (`pip install accel_gpt[plot]`) and is imported only here; the figure is drawn with the Agg
 canvas directly (no pyplot), so no display or GUI backend is ever touched.
@@ -55,6 +56,12 @@ PANELS = (
         (Curve("loss", "-", "train", False), Curve("val_loss", "--", "val", True)),
         "no loss logged",
     ),
+    Panel(
+        "val bits per byte",
+        "bits per UTF-8 byte of text (any tokenizer)",
+        (Curve("val_bpb", "--", "val", True),),
+        "no val_bpb logged\n(needs evaluations on data whose manifest\ncounts bytes: run its prepare again)",
+    ),
     Panel("learning rate", "lr", (Curve("lr", "-", "lr", False),), "no learning rate logged"),
     Panel(
         "HellaSwag",
@@ -67,17 +74,23 @@ PANELS = (
 )
 
 
+# Where each panel goes: the two validation measures side by side on top, throughput across the bottom.
+LAYOUT = [["loss", "val bits per byte"], ["learning rate", "HellaSwag"], ["throughput", "throughput"]]
 SOURCE_MARKERS = ("s", "^", "v", "D", "P", "X", "*")
-SOURCE_PREFIX = "val_loss/"  # a mixture's per-source validation loss: val_loss/<folder name>
+# A mixture's per-source metrics (`<metric>/<folder name>`), by the panel that draws them.
+SOURCE_PREFIXES = {"loss": "val_loss/", "val bits per byte": "val_bpb/"}
 STDERR_SUFFIX = "_stderr"  # a metric's standard error, logged beside it (HellaSwag's accuracies)
 
 
-def source_curves(runs: Sequence[RunMetrics]) -> tuple[Curve, ...]:
-    """The loss panel's extra lines for mixtures: each source's val loss, dash-dotted, one marker per source."""
-    keys = sorted({key for run in runs for row in run.rows for key in row if key.startswith(SOURCE_PREFIX)})
+def source_curves(runs: Sequence[RunMetrics], prefix: str) -> tuple[Curve, ...]:
+    """A panel's extra lines for mixtures: each source's `prefix<name>` metric, dash-dotted, one marker per source,
+    the same in every panel (numbered among all sources, also those that have no line in this panel)."""
+    keys = {key for run in runs for row in run.rows for key in row}
+    names = sorted({k.split("/", 1)[1] for k in keys for p in SOURCE_PREFIXES.values() if k.startswith(p)})
     return tuple(
-        Curve(key, "-.", f"val {key[len(SOURCE_PREFIX) :]}", True, SOURCE_MARKERS[i % len(SOURCE_MARKERS)])
-        for i, key in enumerate(keys)
+        Curve(f"{prefix}{name}", "-.", f"val {name}", True, SOURCE_MARKERS[i % len(SOURCE_MARKERS)])
+        for i, name in enumerate(names)
+        if f"{prefix}{name}" in keys
     )
 
 
@@ -173,15 +186,16 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
 
 
 def make_figure(runs: Sequence[RunMetrics]) -> Figure:
-    """A 2x2 grid of PANELS; each run keeps one colour across panels, the legends name runs and line styles."""
+    """PANELS placed by LAYOUT; each run keeps one colour across panels, the legends name runs and line styles."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(12, 8), layout="constrained")
+    figure = Figure(figsize=(12, 11), layout="constrained")
     FigureCanvasAgg(figure)
     colors = [f"C{i % 10}" for i in range(len(runs))]
-    for ax, panel in zip(figure.subplots(2, 2).flat, PANELS, strict=True):
-        draw_panel(ax, panel, runs, colors)
+    axes = figure.subplot_mosaic(LAYOUT)
+    for panel in PANELS:
+        draw_panel(axes[panel.title], panel, runs, colors)
     figure.suptitle(", ".join(run.label for run in runs) if len(runs) <= 3 else f"{len(runs)} runs")
     return figure
 
@@ -196,7 +210,8 @@ def draw_panel(ax: Axes, panel: Panel, runs: Sequence[RunMetrics], colors: Seque
     if panel.curves[0].key == "tokens_per_sec":
         ax.yaxis.set_major_formatter(EngFormatter())
     drawn = False
-    curves = panel.curves + (source_curves(runs) if panel.title == "loss" else ())
+    prefix = SOURCE_PREFIXES.get(panel.title)
+    curves = panel.curves + (source_curves(runs, prefix) if prefix else ())
     for run, color in zip(runs, colors, strict=True):
         for curve in curves:
             steps, values = run.series(curve.key)

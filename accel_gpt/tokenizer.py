@@ -69,6 +69,11 @@ class Tokenizer:
             return _tiktoken_gpt2().decode(ids)
         return "".join(self.chars[i] for i in ids)
 
+    def token_bytes(self) -> np.ndarray:
+        """The UTF-8 bytes of text each id stands for (0 for end-of-text, which stands for none): summed over a
+        split's tokens, its byte count, which turns a loss per token into bits per byte."""
+        return _token_bytes(self)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "chars": self.chars} if self.name == "char" else {"name": self.name}
 
@@ -93,6 +98,19 @@ def char_vocabulary(texts: list[str]) -> str:
 def _codepoints(text: str) -> np.ndarray:
     # surrogatepass: a lone surrogate is one character of the text like any other
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+
+
+@lru_cache(maxsize=4)
+def _token_bytes(tok: Tokenizer) -> np.ndarray:
+    """uint8 per id (the longest GPT-2 token is 128 bytes, a character at most 4): built once per tokenizer."""
+    if tok.name == "gpt2":
+        enc = _tiktoken_gpt2()
+        lengths = np.array([len(enc.decode_single_token_bytes(i)) for i in range(GPT2_VOCAB)], dtype=np.uint8)
+        lengths[GPT2_EOT] = 0
+        return lengths
+    # UTF-8 takes 1 byte below U+0080, 2 below U+0800, 3 below U+10000 (a lone surrogate too), 4 above
+    points = _codepoints(tok.chars)
+    return (np.searchsorted(np.array([0x80, 0x800, 0x10000]), points, side="right") + 1).astype(np.uint8)
 
 
 @lru_cache(maxsize=1)

@@ -121,6 +121,7 @@ class MetricsLogger:
         self.rows: list[dict[str, Any]] = []
         self.last_row: dict[str, Any] = {}
         self.skipped = self._skipped_before()  # steps the spike guard skipped, shown in the bar and the summary
+        self.last_val = self._last_val_before()  # the newest evaluation's row: its val_bpb goes into the summary
         self.skipped_in_a_row = 0
         self.start_step = step
         self.started = time.perf_counter()
@@ -131,6 +132,12 @@ class MetricsLogger:
         if not self.file.enabled or not self.file.path.exists():
             return 0
         return sum(row.get("skipped") is True for row in read_metrics(self.file.path))
+
+    def _last_val_before(self) -> dict[str, Any]:
+        """The newest row with a val_loss among those a resumed run keeps (main process: the only one that reports)."""
+        if not self.file.enabled or not self.file.path.exists():
+            return {}
+        return next((row for row in reversed(read_metrics(self.file.path)) if "val_loss" in row), {})
 
     def due(self, step: int, last: bool) -> bool:
         return last or step % self.log_every == 0
@@ -205,6 +212,8 @@ class MetricsLogger:
         """metrics.jsonl and trackers (main process), the progress bar; `extra` (evaluations) joins the last row."""
         rows[-1].update(extra)
         self.last_row = rows[-1]
+        if "val_loss" in extra:
+            self.last_val = rows[-1]
         self.file.write(rows)
         for row in rows:
             self.accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=row["step"])
@@ -234,6 +243,8 @@ class MetricsLogger:
         losses = f"final loss {self.last_row['loss']:.4f}" if self.last_row else "no step taken"
         if not math.isnan(last_val_loss):
             losses += f", last val_loss {last_val_loss:.4f}"
+            if self.last_val.get("val_loss") == last_val_loss and "val_bpb" in self.last_val:  # the same evaluation's
+                losses += f", val_bpb {self.last_val['val_bpb']:.4f}"
         if self.skipped:
             losses += f"; {self.skipped} step(s) skipped by the spike guard"
         return (

@@ -74,8 +74,9 @@ def write_token_shards(
     vocab_size: int = 50257,
 ) -> Path:
     """Shards + manifest in the `prepare` format, straight from token lists: GPT-2 ids, or with another
-    `vocab_size` ids declared as a char vocabulary of that many characters (a manifest's vocab_size must be
-    its tokenizer's; which characters they are does not matter to tests of arithmetic)."""
+    `vocab_size` ids declared as a char vocabulary of that many characters, chr(0) .. chr(vocab_size - 1) (a
+    manifest's vocab_size must be its tokenizer's; which characters they are does not matter to tests of
+    arithmetic, except through the byte counts: ids below 128 are 1 byte of UTF-8, ids from 128 to 2047 are 2)."""
     import numpy as np
 
     from accel_gpt.data.shards import ShardWriter, tokenizer_fields, write_manifest
@@ -83,6 +84,9 @@ def write_token_shards(
 
     data_dir.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(vocab_size)
+    tok = Tokenizer("gpt2") if vocab_size == GPT2_VOCAB else Tokenizer("char", "".join(map(chr, range(vocab_size))))
+    top = max((int(np.max(tokens)) for tokens in (train, val) if tokens is not None and len(tokens)), default=0)
+    table = np.pad(tok.token_bytes(), (0, max(0, top + 1 - vocab_size)))  # ids beyond the vocabulary: no text
     splits = {}
     for split, tokens in (("train", train), ("val", val)):
         if tokens is None:
@@ -91,11 +95,24 @@ def write_token_shards(
         size = shard_size or len(arr)
         splits[split] = []
         for i, start in enumerate(range(0, len(arr), size)):
-            writer = ShardWriter(data_dir, split, i, dtype)
+            writer = ShardWriter(data_dir, split, i, dtype, table)
             writer.write(arr[start : start + size])
             splits[split].append(writer.close())
-    tok = Tokenizer("gpt2") if vocab_size == GPT2_VOCAB else Tokenizer("char", "".join(map(chr, range(vocab_size))))
-    write_manifest(data_dir, {**tokenizer_fields(tok), "splits": splits})
+    counts = {split: sum(e["bytes"] for e in entries) for split, entries in splits.items()}
+    write_manifest(data_dir, {**tokenizer_fields(tok), "splits": splits, "bytes": counts})
+    return data_dir
+
+
+def strip_byte_counts(data_dir: Path) -> Path:
+    """Rewrite the manifest of `data_dir` as `prepare` wrote it before it counted bytes (no `bytes`, per split or
+    per shard)."""
+    import json
+
+    path = data_dir / "manifest.json"
+    manifest = {k: v for k, v in json.loads(path.read_text()).items() if k != "bytes"}
+    splits = manifest["splits"].items()
+    manifest["splits"] = {s: [{k: v for k, v in e.items() if k != "bytes"} for e in entries] for s, entries in splits}
+    path.write_text(json.dumps(manifest))
     return data_dir
 
 
@@ -127,7 +144,8 @@ TINY_RUN_FLAGS = [
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real 4-step tiny-cpu run (`TINY_RUN_FLAGS`) on a prepared slice of tiny Shakespeare, with checkpoints at
-    steps 2 and 4 and its final weights: what a run directory holds for `export` and `eval` to read."""
+    steps 2 and 4 and its final weights: what a run directory holds for `export` and `eval` to read. What the run
+    printed (its log and summary line) is kept beside it, in `train_output.txt`."""
     from accel_gpt.config import PrepareConfig
     from accel_gpt.data.prepare import prepare
 
@@ -137,5 +155,6 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data = root / "data"
     prepare(PrepareConfig(dataset=str(text), out_dir=str(data), val_tokens=3000))
     run = root / "run"
-    run_cmd(python_cmd("train", *TINY_RUN_FLAGS, "--data_dir", str(data), "--out_dir", str(run)), timeout=600)
+    proc = run_cmd(python_cmd("train", *TINY_RUN_FLAGS, "--data_dir", str(data), "--out_dir", str(run)), timeout=600)
+    (root / "train_output.txt").write_text(proc.stderr)
     return run

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiktoken
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import HELLASWAG, REPO, accelerate_cmd, run_cmd, write_token_shards
+from conftest import HELLASWAG, REPO, SHAKESPEARE, accelerate_cmd, run_cmd, strip_byte_counts, write_token_shards
 
 from accel_gpt.cli import main
+from accel_gpt.data import shards
 from accel_gpt.data.loader import val_windows
 from accel_gpt.errors import UserError
 from accel_gpt.evaluate.hellaswag import (
@@ -35,7 +37,7 @@ from accel_gpt.evaluate.hellaswag import (
 )
 from accel_gpt.metrics import read_metrics
 from accel_gpt.model import GPT, GPTConfig
-from accel_gpt.tokenizer import Tokenizer
+from accel_gpt.tokenizer import GPT2_EOT, Tokenizer
 from accel_gpt.weights import ModelCard, load_model, save_weights
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=64, vocab_size=50304)
@@ -214,7 +216,15 @@ def reference(tiny_checkpoint: Path, val_data: Path) -> dict:
     windows = val_windows(val_data, TINY.seq_len, EVAL_STEPS * BATCH)
     with torch.no_grad():
         val_loss = np.mean([model(x[None], y[None])[1].item() for x, y in windows])
-    return {"predictions": predictions, "val_loss": val_loss}
+    return {"predictions": predictions, "val_loss": val_loss, "per_byte": val_tokens_per_byte(val_data)}
+
+
+def val_tokens_per_byte(data_dir: Path) -> float:
+    """Tokens per UTF-8 byte of the val split, from its tokens and tiktoken alone (not from the manifest's count)."""
+    manifest = shards.read_manifest(data_dir)
+    tokens = np.concatenate(shards.open_split(data_dir, manifest, "val")).tolist()
+    enc = tiktoken.get_encoding("gpt2")
+    return len(tokens) / len(enc.decode_bytes([t for t in tokens if t != GPT2_EOT]))
 
 
 # ------------------------------------------------------------------------------ hand-built scoring case
@@ -325,6 +335,112 @@ def test_one_rank_matches_the_unbatched_unpadded_reference(
     assert result["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
 
 
+def test_evaluation_and_sampling_ignore_the_dropout_a_model_trained_with(
+    tiny_checkpoint: Path, seven_path: Path, val_data: Path, workdir: Path, one_rank: None, capsys
+) -> None:
+    """The same weights saved as trained with dropout 0.5: HellaSwag, the val loss and a seeded sample are
+    identical, since eval and generation put the model in eval mode, where dropout is off."""
+    model, card = load_model(tiny_checkpoint)
+    dropped = GPT(GPTConfig(**{**card.model.to_dict(), "dropout": 0.5}))
+    dropped.load_state_dict(model.state_dict())
+    other = save(dropped, workdir / "dropout")
+    assert load_model(other)[1].model.dropout == 0.5
+    args = ["--hellaswag", str(seven_path), "--data_dir", str(val_data), "--eval_steps", "3", "--batch_size", "2"]
+    results = [eval_here(capsys, "--checkpoint", str(folder), *args) for folder in (tiny_checkpoint, other)]
+    assert results[0] == results[1] and "val_loss" in results[0]
+    texts = []
+    for folder in (tiny_checkpoint, other):
+        main(["sample", "--checkpoint", str(folder), "--prompt", "Hi", "--max_new_tokens", "8", "--device", "cpu"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
+
+
+# ------------------------------------------------------------------------------ bits per byte
+
+
+def test_equal_logits_give_log2_vocab_bits_per_token(
+    workdir: Path, val_data: Path, one_rank: None, capsys: pytest.CaptureFixture
+) -> None:
+    """Every weight zero: every logit is 0, so each token costs ln V nats = log2 V bits, and bits per byte is
+    log2(V) * tokens / bytes of the val split."""
+    model = GPT(TINY)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    checkpoint = save(model, workdir / "uniform")
+    result = eval_here(capsys, "--checkpoint", str(checkpoint), "--data_dir", str(val_data), "--eval_steps", "3")
+    assert result["val_loss"] == pytest.approx(math.log(TINY.vocab_size), rel=1e-6)
+    assert result["val_bpb"] == pytest.approx(math.log2(TINY.vocab_size) * val_tokens_per_byte(val_data), rel=1e-6)
+
+
+def evaluator_rows(cfg_data: str, checkpoint: Path, weights: str = "") -> list[dict]:
+    """Two evaluations by the training loop's Evaluator, in this process (needs `one_rank`)."""
+    from accel_gpt.config import TrainConfig
+    from accel_gpt.evaluate.evaluator import Evaluator
+    from accel_gpt.runtime import make_accelerator
+
+    accelerator = make_accelerator()
+    model, card = load_model(checkpoint)
+    shape = {k: v for k, v in card.model.to_dict().items() if k != "layer_norm_eps"}
+    cfg = TrainConfig(data_dir=cfg_data, data_weights=weights, **shape, micro_batch_size=BATCH,
+                      total_batch_size=BATCH * TINY.seq_len, eval_every=1, eval_steps=2, sample_tokens=0)  # fmt: skip
+    evaluator = Evaluator(cfg, accelerator, model, card, ["train", "val"])
+    return [evaluator.run(step, last=False) for step in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def prose_data(workdir: Path) -> Path:
+    """GPT-2 tokens of English (about 4 bytes per token; the random ids of `val_data` stand for more)."""
+    tokens = tiktoken.get_encoding("gpt2").encode_ordinary(SHAKESPEARE.read_text())
+    return write_token_shards(workdir / "prose", train=tokens[:2000], val=tokens[2000:3000])
+
+
+def test_a_mixture_has_each_sources_bpb_and_the_mixtures(
+    tiny_checkpoint: Path, val_data: Path, prose_data: Path, one_rank: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """val_bpb/<source> with that source's own tokens per byte; val_bpb is val_loss over the mixture's bytes per
+    token (each source's, weighted 3:1 like the losses)."""
+    with caplog.at_level("INFO"):
+        rows = evaluator_rows(f"{val_data},{prose_data}", tiny_checkpoint, "3,1")
+    per_byte = {"data": val_tokens_per_byte(val_data), "prose": val_tokens_per_byte(prose_data)}
+    assert per_byte["prose"] > 1.5 * per_byte["data"]  # far apart, so that a weighting mistake would show
+    for row in rows:
+        assert set(row) == {"val_loss", "val_bpb", "val_loss/data", "val_loss/prose", "val_bpb/data", "val_bpb/prose"}
+        for name in per_byte:
+            assert row[f"val_bpb/{name}"] == pytest.approx(row[f"val_loss/{name}"] / math.log(2) * per_byte[name])
+        bytes_per_token = (3 / per_byte["data"] + 1 / per_byte["prose"]) / 4
+        assert row["val_bpb"] == pytest.approx(row["val_loss"] / math.log(2) / bytes_per_token)
+    assert rows[0] == rows[1]
+    assert "unavailable" not in caplog.text
+
+
+def test_data_without_byte_counts_gives_no_bpb_and_says_so_once(
+    tiny_checkpoint: Path, val_data: Path, tmp_path: Path, one_rank: None, capsys, caplog
+) -> None:
+    """A manifest from before byte counts: eval and the training loop's evaluation work as before, without val_bpb,
+    and say why in one line (a source of a mixture that has the count keeps its own val_bpb)."""
+    import shutil
+
+    from accel_gpt.evaluate.val_loss import no_bpb_note
+
+    old = strip_byte_counts(Path(shutil.copytree(val_data, tmp_path / "old")))
+    main(["eval", "--checkpoint", str(tiny_checkpoint), "--data_dir", str(old), "--eval_steps", "2"])
+    out, err = capsys.readouterr()
+    (result,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert "val_bpb" not in result and math.isfinite(result["val_loss"])
+    assert err.splitlines() == [f"note: {no_bpb_note([str(old)])}"]
+    assert "prepare command that wrote it again" in err
+
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with caplog.at_level("INFO"):
+        rows = evaluator_rows(f"{val_data},{old}", tiny_checkpoint)
+    assert [set(row) for row in rows] == [{"val_loss", "val_loss/data", "val_loss/old", "val_bpb/data"}] * 2
+    notes = [r.getMessage() for r in caplog.records if "val_bpb" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].endswith(no_bpb_note([str(old)])), notes  # Accelerate may prefix [RANK 0]
+
+
 # ------------------------------------------------------------------------------ world-size invariance
 
 
@@ -352,7 +468,9 @@ def test_predictions_match_unbatched_unpadded_reference(launches: dict, referenc
 def test_val_loss_identical_for_w_1_2_3_and_correct(launches: dict, reference: dict) -> None:
     for W in WORLD_SIZES:
         assert launches[W][0]["val_loss"] == pytest.approx(launches[1][0]["val_loss"], abs=1e-6)
+        assert launches[W][0]["val_bpb"] == pytest.approx(launches[1][0]["val_bpb"], abs=1e-6)
     assert launches[1][0]["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
+    assert launches[1][0]["val_bpb"] == pytest.approx(reference["val_loss"] / math.log(2) * reference["per_byte"])
 
 
 @pytest.mark.slow
@@ -370,9 +488,10 @@ def test_trainer_style_ddp_model_on_every_rank(launches: dict) -> None:
         assert row["val_loss"] == pytest.approx(cli["val_loss"], abs=1e-6)
         evaluator = row["evaluator"]
         hellaswag = ("acc_norm", "acc", "acc_norm_stderr", "acc_stderr")
-        assert set(evaluator) == {"val_loss", *(f"hellaswag_{key}" for key in hellaswag)}
+        assert set(evaluator) == {"val_loss", "val_bpb", *(f"hellaswag_{key}" for key in hellaswag)}
         assert [evaluator[f"hellaswag_{key}"] for key in hellaswag] == [cli[key] for key in hellaswag]
         assert evaluator["val_loss"] == pytest.approx(cli["val_loss"], abs=1e-6)
+        assert evaluator["val_bpb"] == pytest.approx(cli["val_bpb"], abs=1e-6)  # 2 processes, the same bits per byte
     assert ranks[0]["text"] == ranks[1]["text"]
     assert ranks[0]["text"].startswith("Hello") and len(ranks[0]["text"]) > len("Hello")
 
@@ -567,6 +686,7 @@ def test_eval_of_a_run_reports_the_val_loss_it_logged(tiny_run: Path, one_rank: 
         result = eval_here(capsys, "--checkpoint", str(weights), "--data_dir", data_dir)
         assert (result["eval_steps"], result["batch_size"]) == (3, 2)
         assert result["val_loss"] == pytest.approx(logged[4]["val_loss"], abs=1e-4)
+        assert result["val_bpb"] == pytest.approx(logged[4]["val_bpb"], abs=1e-4)
     checkpoint = tiny_run / "checkpoints" / "step_00000002"
     assert eval_here(capsys, "--checkpoint", str(checkpoint), "--data_dir", data_dir)["val_loss"] == pytest.approx(
         logged[2]["val_loss"], abs=1e-4
@@ -574,6 +694,22 @@ def test_eval_of_a_run_reports_the_val_loss_it_logged(tiny_run: Path, one_rank: 
     flags = eval_here(capsys, "--checkpoint", str(tiny_run), "--data_dir", data_dir, "--eval_steps", "20")
     assert (flags["eval_steps"], flags["batch_size"]) == (20, 2)
     assert abs(flags["val_loss"] - logged[4]["val_loss"]) > 1e-4  # 40 windows are not the run's 6
+
+
+@pytest.mark.slow
+def test_a_run_logs_and_sums_up_its_val_bpb(tiny_run: Path) -> None:
+    """Each evaluation row of metrics.jsonl has val_bpb = val_loss / ln 2 * tokens / bytes of the prepared val split
+    (3,000 tokens of Shakespeare), and the summary line ends the run with the last one."""
+    rows = [row for row in read_metrics(tiny_run / "metrics.jsonl") if "val_loss" in row]
+    data_dir = Path(yaml.safe_load((tiny_run / "config.yaml").read_text())["data_dir"])
+    per_byte = val_tokens_per_byte(data_dir)
+    assert 0.2 < per_byte < 0.35  # English in GPT-2 tokens: about 3 to 5 bytes per token
+    assert [row["step"] for row in rows] == [2, 4]
+    for row in rows:
+        assert row["val_bpb"] == pytest.approx(row["val_loss"] / math.log(2) * per_byte, rel=1e-12)
+    printed = (tiny_run.parent / "train_output.txt").read_text()
+    assert f"last val_loss {rows[-1]['val_loss']:.4f}, val_bpb {rows[-1]['val_bpb']:.4f}; run dir" in printed
+    assert "unavailable" not in printed
 
 
 def test_weights_without_their_run_take_the_default_settings(

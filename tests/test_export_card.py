@@ -120,6 +120,9 @@ def test_the_card_reports_the_runs_own_records(tiny_run: Path, run_card: tuple[d
     assert got["tokens seen"] == "2,048 (4 steps of 512 tokens)"
     assert got["final train loss"] == f"{rows[4]['loss']:.4f} (step 4)"
     assert got["validation loss"] == f"{rows[4]['val_loss']:.4f} (step 4; 3 batches of 2 x 64 tokens)"
+    assert got["validation bits per byte"] == (
+        f"{rows[4]['val_bpb']:.4f} (the same evaluation, in bits per UTF-8 byte of text: comparable across tokenizers)"
+    )
     hellaswag = f"{rows[4]['hellaswag_acc_norm']:.4f} ± {rows[4]['hellaswag_acc_norm_stderr']:.4f} (step 4; "
     assert got["HellaSwag acc_norm"].startswith(hellaswag) and "the first 8 examples of `hellaswag_val.jsonl`" in body
     assert got["processes"] == "1"
@@ -150,6 +153,7 @@ def test_a_checkpoint_gets_the_values_of_its_own_step(tiny_run: Path, tmp_path: 
     assert got["optimizer steps"] == "2 of 4" and got["tokens seen"].startswith("1,024 ")
     assert got["final train loss"] == f"{rows[2]['loss']:.4f} (step 2)"
     assert got["validation loss"].startswith(f"{rows[2]['val_loss']:.4f} (step 2;")
+    assert got["validation bits per byte"].startswith(f"{rows[2]['val_bpb']:.4f} (")
     assert "HellaSwag acc_norm" not in got  # scored at step 4 only: after these weights
 
 
@@ -170,11 +174,16 @@ def test_a_hub_dataset_goes_into_the_metadata(tiny_run: Path, tmp_path: Path) ->
     manifest = json.loads((data / "manifest.json").read_text())
     manifest["source"] = {"dataset": "someone/corpus", "kind": "hub", "config": "small", "split": "train"}
     (data / "manifest.json").write_text(json.dumps(manifest))
-    out = export(copy_run(tiny_run, tmp_path, data), tmp_path / "hf")
+    run = copy_run(tiny_run, tmp_path, data)
+    # its metrics as a run logged them before val_bpb existed: the card then has no bits per byte row
+    rows = [{k: v for k, v in r.items() if k != "val_bpb"} for r in read_metrics(run / "metrics.jsonl")]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = export(run, tmp_path / "hf")
     meta, body = front_matter((out / "README.md").read_text())
     assert meta["datasets"] == ["someone/corpus"]
     assert "hub dataset `someone/corpus` (config small; split train)" in body
     assert "These are the training shards the run's checkpoints recorded" in body
+    assert "validation loss" in table(body) and "validation bits per byte" not in table(body)
 
 
 @pytest.mark.slow

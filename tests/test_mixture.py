@@ -3,12 +3,14 @@
 The sampler is checked as arithmetic (proportions over thousands of steps, each source's own epochs, positions
 computed directly); the trainer with real processes on two small sources whose tokens come from different ranges
 (`web` 0-127, `code` 128-255): W=1 and W=2 take the same steps, a killed and resumed run ends bit-identical, the
-first step reads exactly the stream's windows, and each source's validation loss is in metrics.jsonl.
+first step reads exactly the stream's windows, and each source's validation loss and bits per byte (a web token is
+one byte of UTF-8, a code token two) are in metrics.jsonl.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -269,6 +271,10 @@ def test_each_source_has_its_val_loss_and_val_loss_is_their_weighted_mean(
         web, code = row["val_loss/web"], row["val_loss/code"]
         assert row["val_loss"] == pytest.approx((WEIGHTS[0] * web + WEIGHTS[1] * code) / sum(WEIGHTS), rel=1e-12)
         assert web != code
+        assert row["val_bpb/web"] == pytest.approx(web / math.log(2), rel=1e-12)  # chr(0..127): 1 byte a token
+        assert row["val_bpb/code"] == pytest.approx(code / math.log(2) / 2, rel=1e-12)  # chr(128..255): 2 bytes
+        bytes_per_token = (WEIGHTS[0] * 1 + WEIGHTS[1] * 2) / sum(WEIGHTS)  # of the mixture, drawn 3:1
+        assert row["val_bpb"] == pytest.approx(row["val_loss"] / math.log(2) / bytes_per_token, rel=1e-12)
     assert "val_loss/web" not in rows[3] and "val_loss" not in rows[3]
     assert rows[8]["val_loss/code"] == pytest.approx(_rows(runs["w2"])[7]["val_loss/code"], abs=1e-5)
     # `run.py eval` on the final weights, with the same windows (eval_steps x batch size) of one source
@@ -277,4 +283,6 @@ def test_each_source_has_its_val_loss_and_val_loss_is_their_weighted_mean(
         + ["--eval_steps", "2", "--batch_size", "2"],
         timeout=300,
     )
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["val_loss"] == pytest.approx(code, abs=1e-5)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["val_loss"] == pytest.approx(code, abs=1e-5)
+    assert result["val_bpb"] == pytest.approx(rows[8]["val_bpb/code"], abs=1e-5)

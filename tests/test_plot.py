@@ -7,6 +7,7 @@ back through `accel_gpt.metrics.read_metrics`, the same reader the trainer's res
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
 from pathlib import Path
@@ -21,8 +22,9 @@ from tests.conftest import run_cmd
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def write_run(run_dir: Path, steps: int, hellaswag: bool, loss0: float = 10.8) -> Path:
-    """A run dir with one metrics row per step, evaluations every 4 steps, as train.py writes them."""
+def write_run(run_dir: Path, steps: int, hellaswag: bool, loss0: float = 10.8, per_byte: float | None = None) -> Path:
+    """A run dir with one metrics row per step, evaluations every 4 steps, as train.py writes them; with `per_byte`
+    (tokens per byte of its data), evaluations also log val_bpb."""
     run_dir.mkdir(parents=True)
     rows = []
     for step in range(1, steps + 1):
@@ -37,6 +39,8 @@ def write_run(run_dir: Path, steps: int, hellaswag: bool, loss0: float = 10.8) -
         }
         if step % 4 == 0:
             row["val_loss"] = loss0 - 0.25 * step
+            if per_byte is not None:
+                row["val_bpb"] = row["val_loss"] / math.log(2) * per_byte
             if hellaswag:
                 row |= {"hellaswag_acc_norm": 0.25 + 0.01 * step, "hellaswag_acc": 0.24 + 0.01 * step}
         rows.append(row)
@@ -63,7 +67,7 @@ def test_plot_writes_png_with_every_run_overlaid(tmp_path: Path, capsys: pytest.
     run_plot(PlotConfig(run_dirs=[str(a), str(b)], out=str(out)))
     assert capsys.readouterr().out.splitlines() == [f"wrote {out} (2 runs, up to step 12)"]
     width, height = png_size(out)
-    assert (width, height) == (1320, 880)  # 12 x 8 inches at 110 dpi
+    assert (width, height) == (1320, 1210)  # 12 x 11 inches at 110 dpi
 
     import matplotlib.colors
     import matplotlib.image
@@ -84,7 +88,7 @@ def test_plot_command_in_a_fresh_interpreter_imports_no_torch(tmp_path: Path) ->
     script = f"import sys; from accel_gpt.cli import main; main({['plot', str(a), str(b), '--out', str(out)]!r}); "
     proc = run_cmd([sys.executable, "-c", script + "print('torch' in sys.modules)"], timeout=120)
     assert proc.stdout.splitlines() == [f"wrote {out} (2 runs, up to step 12)", "False"]  # no torch: starts fast
-    assert png_size(out) == (1320, 880)
+    assert png_size(out) == (1320, 1210)
 
 
 def test_figure_panels_hold_each_runs_series(tmp_path: Path) -> None:
@@ -92,7 +96,7 @@ def test_figure_panels_hold_each_runs_series(tmp_path: Path) -> None:
         [write_run(tmp_path / "a", 12, hellaswag=True), write_run(tmp_path / "b", 8, hellaswag=False, loss0=9.0)]
     )
     panels = axes_by_title(make_figure(runs))
-    assert set(panels) == {"loss", "learning rate", "HellaSwag", "throughput"}
+    assert set(panels) == {"loss", "val bits per byte", "learning rate", "HellaSwag", "throughput"}
 
     loss_lines = {line.get_label(): line for line in panels["loss"].get_lines()}
     assert set(loss_lines) == {"a train", "a val", "b train", "b val"}
@@ -117,6 +121,40 @@ def test_panel_without_data_says_how_to_get_it(tmp_path: Path) -> None:
     assert panels["HellaSwag"].get_lines() == []
     notes = [text.get_text() for text in panels["HellaSwag"].texts]
     assert any("--hellaswag_every" in note for note in notes)
+
+
+def test_val_bpb_panel_draws_the_runs_that_logged_it(tmp_path: Path) -> None:
+    """A char-level run and a GPT-2 one: their losses per token are not comparable, their bits per byte are. A run
+    whose data counted no bytes has no line there (and its loss is still drawn); with no run, the panel says why."""
+    char = write_run(tmp_path / "char", 8, hellaswag=False, loss0=4.2, per_byte=1.0)
+    bpe = write_run(tmp_path / "bpe", 8, hellaswag=False, per_byte=0.25)
+    old = write_run(tmp_path / "old", 8, hellaswag=False)
+    panels = axes_by_title(make_figure(load_runs([char, bpe, old])))
+    lines = {line.get_label(): line for line in panels["val bits per byte"].get_lines()}
+    assert set(lines) == {"char", "bpe"}
+    assert list(lines["bpe"].get_xdata()) == [4, 8]
+    assert list(lines["bpe"].get_ydata()) == pytest.approx([9.8 / math.log(2) * 0.25, 8.8 / math.log(2) * 0.25])
+    loss = {line.get_label(): line for line in panels["loss"].get_lines()}
+    assert lines["char"].get_color() == loss["char train"].get_color() and "old val" in loss  # old: its loss still
+    empty = axes_by_title(make_figure(load_runs([old])))["val bits per byte"]
+    assert empty.get_lines() == [] and any("prepare" in text.get_text() for text in empty.texts)
+
+
+def test_a_mixtures_sources_get_their_bpb_lines_with_their_loss_markers(tmp_path: Path) -> None:
+    """val_bpb/<source> beside val_loss/<source>; a source without byte counts (code) has a loss line only, and web
+    keeps the same marker in both panels."""
+    run = tmp_path / "mix"
+    run.mkdir()
+    rows = [{"step": s, "loss": 5.0 - 0.1 * s, "lr": 1e-3} for s in range(1, 9)]
+    for row in rows[3::4]:
+        row |= {"val_loss": 4.0, "val_loss/code": 5.5, "val_loss/web": 3.5, "val_bpb/web": 1.2}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    panels = axes_by_title(make_figure(load_runs([run])))
+    bpb = {line.get_label(): line for line in panels["val bits per byte"].get_lines()}
+    loss = {line.get_label(): line for line in panels["loss"].get_lines()}
+    assert set(bpb) == {"mix val web"} and {"mix val web", "mix val code"} <= set(loss)
+    assert list(bpb["mix val web"].get_ydata()) == [1.2, 1.2]
+    assert bpb["mix val web"].get_marker() == loss["mix val web"].get_marker() != loss["mix val code"].get_marker()
 
 
 def test_resumed_run_keeps_one_row_per_step(tmp_path: Path) -> None:

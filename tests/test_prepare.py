@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, python_cmd, run_cmd, subprocess_env
+from conftest import REPO, python_cmd, run_cmd, strip_byte_counts, subprocess_env, write_token_shards
 
 from accel_gpt.cli import main as cli_main
 from accel_gpt.cli import parse
@@ -515,6 +515,7 @@ def test_interrupted_inside_long_documents_resumes_exactly(
     prepare(opts(tmp_path, src, "reference", **base))
     reference = shards.read_manifest(tmp_path / "reference")
     assert sum(map(len, reference["splits"].values())) >= 15 and reference["skipped_null"] == 4
+    assert sum(reference["bytes"].values()) == len(text.encode()) + len("short")
     commit = pipeline.StreamWriter._commit
     for stop_after in (1, 4, 11):
         calls = {"n": 0}
@@ -530,6 +531,10 @@ def test_interrupted_inside_long_documents_resumes_exactly(
         with pytest.raises(Interrupt):
             prepare(opts(tmp_path, src, out, **base))
         monkeypatch.setattr(pipeline.StreamWriter, "_commit", commit)
+        if stop_after == 4:  # as an older prepare left its state: no byte counts, which the resume counts itself
+            state = json.loads((tmp_path / out / STATE_FILE).read_text())
+            state["shards"] = [{k: v for k, v in e.items() if k != "bytes"} for e in state["shards"]]
+            (tmp_path / out / STATE_FILE).write_text(json.dumps(state))
         assert prepare(opts(tmp_path, src, out, **base)).status == "resumed and prepared"
         assert files_of(tmp_path / out) == files_of(tmp_path / "reference"), stop_after
 
@@ -563,6 +568,12 @@ def test_parts_merge_into_the_single_run_stream(tmp_path: Path, docs: list[str],
         shards.verify_split(tmp_path / "multi", merged, split)
     assert np.array_equal(stream(tmp_path / "multi"), stream(tmp_path / "single"))
     assert merged["documents"] == shards.read_manifest(tmp_path / "single")["documents"]
+    assert merged["bytes"] == shards.read_manifest(tmp_path / "single")["bytes"]
+    assert sum(merged["bytes"].values()) == sum(len(d.encode()) for d in docs)
+    assert [sum(p["bytes"].values()) for p in merged["parts"]] == [
+        sum(shards.read_manifest(tmp_path / "multi" / p["dir"])["bytes"].values()) for p in merged["parts"]
+    ]
+    _byte_counts_add_up(merged)
     assert merged["splits"]["train"][0]["file"] == "part-00000-of-00003/train_000000.bin"
     assert [p["dir"] for p in merged["parts"]] == [f"part-0000{i}-of-00003" for i in range(3)]
 
@@ -630,6 +641,87 @@ def test_rows_without_text_are_counted_not_made_documents(tmp_path: Path, tok, c
     assert "prepared: 3 documents (skipped 2 rows with no text)" in capsys.readouterr().out
     cli_main(["prepare", "--dataset", str(src), "--out_dir", str(tmp_path / "out")])
     assert "already prepared: 3 documents (skipped 2 rows with no text)" in capsys.readouterr().out
+
+
+def _multibyte_text(shakespeare_path: Path) -> str:
+    """Shakespeare with 2-, 3- and 4-byte characters on every line, so that any cut falls near one."""
+    lines = shakespeare_path.read_text().splitlines()[:600]
+    return "\n".join(f"{line} ñ ü 中文 🙂" if i % 2 else line for i, line in enumerate(lines))
+
+
+def _byte_counts_add_up(manifest: dict) -> None:
+    for split, entries in manifest["splits"].items():
+        assert sum(e["bytes"] for e in entries) == manifest["bytes"][split], split
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "char"])
+def test_byte_counts_are_the_utf8_bytes_of_the_text(tokenizer: str, tmp_path: Path, shakespeare_path: Path) -> None:
+    """The file as one document, the val cut inside a character (gpt2: between two tokens of one emoji's bytes; char:
+    just after a 4-byte character): val's bytes are the text's first bytes, train's the rest, whatever the shards."""
+    import tiktoken
+
+    text = _multibyte_text(shakespeare_path)
+    data = text.encode()
+    (src := tmp_path / "t.txt").write_text(text)
+    if tokenizer == "gpt2":
+        enc = tiktoken.get_encoding("gpt2")
+        ids = enc.encode_ordinary(text)
+        # a token whose bytes are part of a character: the cut after it splits that character between val and train
+        k = next(k for k in range(2000, len(ids)) if not _is_utf8(enc.decode_single_token_bytes(ids[k])))
+        val_tokens, val_bytes = k + 2, len(enc.decode_bytes(ids[: k + 1]))  # + EOT before the document
+        assert data[:val_bytes] == enc.decode_bytes(ids[: k + 1]) and not _is_utf8(data[:val_bytes])
+    else:
+        val_tokens = text.index("🙂", 5000) + 1
+        val_bytes = len(text[:val_tokens].encode())
+    prepare(opts(tmp_path, src, tokenizer=tokenizer, sample_by="document", shard_size=1500, val_tokens=val_tokens))
+    manifest = shards.read_manifest(tmp_path / "out")
+    assert manifest["bytes"] == {"train": len(data) - val_bytes, "val": val_bytes}
+    assert sum(manifest["tokens"].values()) == (len(ids) + 1 if tokenizer == "gpt2" else len(text))
+    assert len(manifest["splits"]["val"]) >= 2 and len(manifest["splits"]["train"]) >= 2
+    _byte_counts_add_up(manifest)
+    assert shards.tokens_per_byte(manifest, "val") == val_tokens / val_bytes
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_byte_counts_skip_the_separators_and_sum_over_documents(tmp_path: Path, docs: list[str]) -> None:
+    """Paragraph documents: the blank lines between them are no document's text, and EOT stands for no bytes."""
+    src = write_txt(tmp_path / "docs.txt", docs)
+    prepare(opts(tmp_path, src, shard_size=700, val_tokens=1500))
+    manifest = shards.read_manifest(tmp_path / "out")
+    assert sum(manifest["bytes"].values()) == sum(len(d.encode()) for d in docs)
+    _byte_counts_add_up(manifest)
+
+
+def test_rerun_adds_the_byte_counts_to_an_older_manifest(tmp_path: Path, docs: list[str], capsys) -> None:
+    """A manifest written before byte counts existed: the same command counts them from the shards it verifies."""
+    src = write_txt(tmp_path / "docs.txt", docs)
+    argv = ["prepare", "--dataset", str(src), "--out_dir", str(tmp_path / "out"), "--val_tokens", "1500"]
+    cli_main([*argv, "--shard_size", "700"])
+    path = tmp_path / "out" / shards.MANIFEST
+    current = json.loads(path.read_text())
+    strip_byte_counts(tmp_path / "out")
+    assert "bytes" not in path.read_text() and shards.split_bytes(shards.read_manifest(tmp_path / "out"), "val") is None
+    capsys.readouterr()
+    cli_main([*argv, "--shard_size", "700"])
+    assert capsys.readouterr().out.startswith("already prepared (added the byte counts to its manifest): ")
+    assert json.loads(path.read_text()) == current
+    cli_main([*argv, "--shard_size", "700"])
+    assert capsys.readouterr().out.startswith("already prepared: ")
+
+
+def test_a_manifest_with_garbled_byte_counts_is_refused(tmp_path: Path) -> None:
+    write_token_shards(tmp_path / "d", [1, 2, 3], [4, 5])
+    path = tmp_path / "d" / shards.MANIFEST
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"bytes": {"val": -1}}))
+    with pytest.raises(DataError, match="bytes must map split names to byte counts"):
+        shards.read_manifest(tmp_path / "d")
 
 
 def test_char_shards_record_their_largest_id(tmp_path: Path) -> None:

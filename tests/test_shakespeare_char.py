@@ -9,6 +9,7 @@ the model learns characters, not nanoGPT's final loss.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,9 @@ def test_prepare_train_on_two_processes_and_sample(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == list(range(1, 41))
     assert rows[0]["loss"] > 4.0 and rows[-1]["loss"] < 3.0  # from about ln(65) to below the character frequencies
     assert rows[-1]["val_loss"] < 3.0
+    # one character a token: bits per byte is bits per character here (the slice is ASCII: one byte each)
+    assert manifest["bytes"] == {"train": len(SHAKESPEARE.read_bytes()) - 20_000, "val": 20_000}
+    assert rows[-1]["val_bpb"] == pytest.approx(rows[-1]["val_loss"] / math.log(2), rel=1e-12)
 
     sample = run_cmd(python_cmd("sample", "--checkpoint", str(run), "--prompt", "ROMEO:", "--max_new_tokens", "60",
                                 "--seed", "1", "--device", "cpu"))  # fmt: skip

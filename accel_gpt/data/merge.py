@@ -47,14 +47,23 @@ def merge_manifests(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             tokens[split] = tokens.get(split, 0) + sum(e["tokens"] for e in entries)
         for split, n in manifest.get("documents", {}).items():
             documents[split] = documents.get(split, 0) + n
-    merged = {k: v for k, v in first.items() if k not in ("format", "version", "part")}
+    merged = {k: v for k, v in first.items() if k not in ("format", "version", "part", "bytes")}
     merged.update(splits=splits, tokens=tokens, documents=documents)
+    if all(_has_bytes(m) for _, m in parts):  # a part from before byte counts leaves the sums unknown
+        merged["bytes"] = {s: sum(m["bytes"].get(s, 0) for _, m in parts) for s in splits}
     if any("skipped_null" in m for _, m in parts):  # rows without text, summed like the documents
         merged["skipped_null"] = sum(m.get("skipped_null", 0) for _, m in parts)
     merged["parts"] = [
-        {"dir": name, "tokens": m.get("tokens", {}), "documents": m.get("documents", {})} for name, m in parts
+        {"dir": name, "tokens": m.get("tokens", {}), "documents": m.get("documents", {})}
+        | ({"bytes": m["bytes"]} if _has_bytes(m) else {})
+        for name, m in parts
     ]
     return merged
+
+
+def _has_bytes(manifest: dict[str, Any]) -> bool:
+    """The part counts the bytes of every split it has (`shards.split_bytes`)."""
+    return all(shards.split_bytes(manifest, split) is not None for split in manifest["splits"])
 
 
 def merge_parts(out_dir: str | Path, checksums: bool = True) -> dict[str, Any]:

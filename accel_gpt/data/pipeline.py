@@ -91,7 +91,8 @@ class State:
 
     identity: dict[str, Any]
     chars: str | None = None
-    shards: list[dict[str, Any]] = field(default_factory=list)  # split, file, tokens, sha256, documents, max_id, resume
+    # each: split, file, tokens, sha256, bytes, documents, max_id, resume
+    shards: list[dict[str, Any]] = field(default_factory=list)
     resume: Resume = field(default_factory=Resume)
     inputs: list[dict[str, Any]] | None = None
 
@@ -115,13 +116,16 @@ class State:
             ) from None
         return state
 
-    def keep_intact_shards(self, data_dir: Path, dtype: np.dtype) -> None:
-        """Check the recorded shards (size, sha256); from the first missing or changed one on, prepare again."""
-        itemsize = np.dtype(dtype).itemsize
+    def keep_intact_shards(self, data_dir: Path, tok: Tokenizer) -> None:
+        """Check the recorded shards (size, sha256); from the first missing or changed one on, prepare again. A shard
+        recorded before byte counts were (an older prepare's state) gets its count from the file."""
+        itemsize = tok.dtype.itemsize
         for k, entry in enumerate(self.shards):
             path = data_dir / entry["file"]
             ok = path.is_file() and path.stat().st_size == entry["tokens"] * itemsize
             if ok and shards.sha256_file(path) == entry["sha256"]:
+                if "bytes" not in entry:
+                    entry["bytes"] = shards.count_bytes(np.memmap(path, dtype=tok.dtype, mode="r"), tok.token_bytes())
                 continue
             log.warning("shard %s is missing or changed; preparing again from there", path)
             self.shards = self.shards[:k]
@@ -153,9 +157,10 @@ class StreamWriter:
     """
 
     def __init__(
-        self, data_dir: Path, dtype: np.dtype, shard_size: int, split: str, val_tokens: int, index: int, state: State
+        self, data_dir: Path, tok: Tokenizer, shard_size: int, split: str, val_tokens: int, index: int, state: State
     ) -> None:
-        self.data_dir, self.dtype, self.shard_size = data_dir, dtype, shard_size
+        self.data_dir, self.dtype, self.shard_size = data_dir, tok.dtype, shard_size
+        self.token_bytes = tok.token_bytes()  # each shard counts the UTF-8 bytes its tokens stand for
         self.split, self.val_tokens, self.index, self.state = split, val_tokens, index, state
         r = state.resume
         self.pos = r.position - r.offset  # the first token to arrive begins document r.doc
@@ -223,7 +228,7 @@ class StreamWriter:
 
     def _open(self, pos: int) -> None:
         split = "val" if pos < self.val_tokens else self.split
-        self.shard = shards.ShardWriter(self.data_dir, split, self.state.count(split), self.dtype)
+        self.shard = shards.ShardWriter(self.data_dir, split, self.state.count(split), self.dtype, self.token_bytes)
         self.shard_split, self.shard_docs, self.shard_max = split, 0, -1
         self.shard_end = pos + self.shard_size
         if split == "val" and self.val_tokens:

@@ -34,8 +34,10 @@ The choices a reader needs before the code:
 - **One writer per folder**: a prepare holds `files.locked` on its folder (the part folder, and out_dir while
   merging), so a second prepare into it is refused in one line instead of writing the same shards.
 - **What the manifest records beyond the format**: each shard's largest token id (`max_id`, so the trainer can
-  refuse ids beyond its vocabulary without reading shards), and `skipped_null`: rows whose text is null or missing
-  are no documents (not even empty ones); they are counted and reported in the summary line.
+  refuse ids beyond its vocabulary without reading shards), `bytes`: the UTF-8 bytes of text per shard and per split,
+  summed from a per-id length table as the tokens are written (validation's bits per byte), and `skipped_null`: rows
+  whose text is null or missing are no documents (not even empty ones); they are counted and reported in the summary
+  line. Re-running the command of a finished prepare whose manifest predates `bytes` counts them from the shards.
 - **Several machines** (`merge.py`): `--num_shards K --shard_index i`, or `RANK`/`WORLD_SIZE` from
   `accelerate launch`/torchrun, makes this process prepare part i of the input into `out_dir/part-0000i-of-0000K/`.
   Non-streaming parts are contiguous row ranges, so the parts in order are the whole input in order; streaming
@@ -217,7 +219,7 @@ def _prepare(job: Job, source: Source, workers: Workers, start: float) -> Summar
     resumed = state is not None
     state = state or State(identity=job.identity(), inputs=source.inputs())
     if resumed:
-        state.keep_intact_shards(data_dir, Tokenizer(job.cfg.tokenizer, state.chars or "").dtype)
+        state.keep_intact_shards(data_dir, Tokenizer(job.cfg.tokenizer, state.chars or ""))
     remove_temporaries(data_dir)
     try:
         tok = _tokenizer(job, streams, state, workers)
@@ -363,9 +365,14 @@ def _verify_finished(job: Job, source: Source, start: float) -> Summary:
             shards.verify_split(data_dir, manifest, split)
         except DataError as e:
             raise DataError(f"{e}; delete '{data_dir}' and prepare again") from None
+    status = "already prepared"
+    if any(shards.split_bytes(manifest, split) is None for split in manifest["splits"]):
+        manifest = shards.add_byte_counts(data_dir, manifest)  # a manifest from before byte counts: add them
+        shards.write_manifest(data_dir, manifest)
+        status = "already prepared (added the byte counts to its manifest)"
     (data_dir / STATE_FILE).unlink(missing_ok=True)  # left if a kill came between the manifest and its removal
     _merge_if_complete(job)
-    return Summary.of("already prepared", data_dir, manifest, time.perf_counter() - start)
+    return Summary.of(status, data_dir, manifest, time.perf_counter() - start)
 
 
 def _load_state(job: Job, source: Source) -> State | None:
@@ -429,9 +436,7 @@ def _write_streams(job: Job, streams: list[Stream], tok: Tokenizer, state: State
             first_doc = state.resume.doc
             nulls = NullRows(state.resume.nulls)
             tasks = make_tasks(stream.texts(first_doc), first_doc, cfg.task_chars, nulls)
-            writer = StreamWriter(
-                job.data_dir, tok.dtype, cfg.shard_size, stream.split, stream.val_tokens, index, state
-            )
+            writer = StreamWriter(job.data_dir, tok, cfg.shard_size, stream.split, stream.val_tokens, index, state)
             try:
                 for task, (tokens, lengths) in workers.map(encode_pieces, tok, tasks):
                     bar.update(writer.feed(task, tokens, lengths))
@@ -456,7 +461,7 @@ def _manifest(job: Job, source: Source, tok: Tokenizer, state: State) -> dict[st
         )
     splits: dict[str, list[dict[str, Any]]] = {}
     for e in state.shards:
-        keys = ("file", "tokens", "sha256", "documents", "max_id")  # max_id: absent from a state written before it
+        keys = ("file", "tokens", "sha256", "bytes", "documents", "max_id")  # max_id: absent from older states
         splits.setdefault(e["split"], []).append({k: e[k] for k in keys if k in e})
     source_info = source.describe() | {"config": cfg.dataset_config, "split": cfg.split, "val_split": cfg.val_split}
     source_info["text_column"] = cfg.text_column
@@ -469,6 +474,7 @@ def _manifest(job: Job, source: Source, tok: Tokenizer, state: State) -> dict[st
         "eot_position": "before_each_document" if tok.eot_token is not None else None,
         "splits": _train_first(splits),
         "tokens": tokens,
+        "bytes": _train_first(state.totals("bytes")),  # UTF-8 bytes of text per split: val_bpb needs it
         "documents": documents,
         "skipped_null": state.resume.nulls,  # rows without text: not documents, but the input had them
         "source": source_info,

@@ -6,11 +6,17 @@ about it lives in the manifest:
     {"format": "accel_gpt-shards", "version": 1,
      "tokenizer": "gpt2" | "char", "chars": "<vocabulary, char tokenizer only>",
      "eot_token": 50256 | null, "vocab_size": 50257, "dtype": "uint16",
-     "splits": {"train": [{"file": "train_000000.bin", "tokens": N, "sha256": "..."}, ...],
+     "splits": {"train": [{"file": "train_000000.bin", "tokens": N, "sha256": "...", "bytes": B}, ...],
                 "val": [...]},
+     "tokens": {"train": N, "val": M}, "bytes": {"train": B, "val": C},
      "documents": {"train": n, "val": m}, "source": {...}, "args": {...}}
 
 A shard's `file` is relative to the manifest's folder (a multi-part prepare lists `part-.../train_000000.bin`).
+`bytes` (per split, and per shard) is the number of UTF-8 bytes of text the tokens stand for: the sum over the
+tokens of each id's byte length (`Tokenizer.token_bytes`; end-of-text counts 0), exact wherever a `val_tokens` cut
+or a document boundary falls. Validation turns its loss per token into bits per byte with it (`val_bpb`), which
+compares models across tokenizers. Manifests written before it have no `bytes`; re-running their `prepare`
+command adds it (`add_byte_counts`) without tokenizing again.
 Shards and the manifest are written under a temporary name and renamed when complete, so a reader
 never sees a half-written file.
 
@@ -71,11 +77,15 @@ class ShardWriter:
     kill finds and replaces it.
     """
 
-    def __init__(self, data_dir: str | Path, split: str, index: int, dtype: np.dtype) -> None:
+    def __init__(
+        self, data_dir: str | Path, split: str, index: int, dtype: np.dtype, token_bytes: np.ndarray | None = None
+    ) -> None:
         self.path = Path(data_dir) / shard_name(split, index)
         self.tmp = temp_sibling(self.path, "shard")
         self.dtype = np.dtype(dtype)
+        self.token_bytes = token_bytes  # each id's UTF-8 byte length: the shard's byte count is summed as it goes
         self.tokens = 0
+        self.bytes = 0
         self._hash = hashlib.sha256()
         self._file = open(self.tmp, "wb")
 
@@ -84,17 +94,52 @@ class ShardWriter:
         self._file.write(data.data)
         self._hash.update(data.data)
         self.tokens += int(data.size)
+        if self.token_bytes is not None:
+            self.bytes += count_bytes(data, self.token_bytes)
 
     def close(self) -> dict[str, Any]:
         """fsync, rename to the final name, fsync the folder; return the shard's manifest entry."""
         self._file.flush()
         self._file.close()
         publish(self.tmp, self.path)
-        return {"file": self.path.name, "tokens": self.tokens, "sha256": self._hash.hexdigest()}
+        entry = {"file": self.path.name, "tokens": self.tokens, "sha256": self._hash.hexdigest()}
+        return entry | ({"bytes": self.bytes} if self.token_bytes is not None else {})
 
     def abort(self) -> None:
         self._file.close()
         self.tmp.unlink(missing_ok=True)
+
+
+def count_bytes(tokens: np.ndarray, token_bytes: np.ndarray, chunk: int = 1 << 24) -> int:
+    """UTF-8 bytes of text that `tokens` stand for: one table lookup per token (a few ms per million), in chunks so
+    that a memory-mapped shard is never copied whole."""
+    return sum(int(token_bytes[tokens[i : i + chunk]].sum(dtype=np.int64)) for i in range(0, len(tokens), chunk))
+
+
+def split_bytes(manifest: dict[str, Any], split: str) -> int | None:
+    """The split's byte count (see the module docstring), or None for a manifest written before it was recorded."""
+    value = manifest.get("bytes", {}).get(split)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def tokens_per_byte(manifest: dict[str, Any], split: str) -> float | None:
+    """The split's tokens over its bytes, the factor from nats per token to bits per byte (times 1/ln 2); None
+    without a byte count, or for a split without text (only end-of-text tokens)."""
+    nbytes = split_bytes(manifest, split)
+    if not nbytes:
+        return None
+    return sum(e["tokens"] for e in manifest["splits"][split]) / nbytes
+
+
+def add_byte_counts(data_dir: str | Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """An older manifest with the byte counts it lacks, counted from its shards (which must be verified first)."""
+    table = tokenizer(manifest).token_bytes()
+    splits = {}
+    for split, entries in manifest["splits"].items():
+        arrays = open_split(data_dir, manifest, split)
+        splits[split] = [{**e, "bytes": count_bytes(a, table)} for e, a in zip(entries, arrays, strict=True)]
+    counts = {split: sum(e["bytes"] for e in entries) for split, entries in splits.items()}
+    return manifest | {"splits": splits, "bytes": counts}
 
 
 def write_manifest(data_dir: str | Path, manifest: dict[str, Any]) -> None:
@@ -150,6 +195,9 @@ def _check_fields(manifest: dict[str, Any], path: Path) -> None:
     for split, entries in splits.items():
         if not isinstance(entries, list) or not all(_is_entry(e) for e in entries):
             raise bad(f"split '{split}' must be a list of {{file, tokens, sha256}} entries")
+    counts = manifest.get("bytes", {})
+    if not isinstance(counts, dict) or not all(_is_count(n) for n in counts.values()):
+        raise bad(f"bytes must map split names to byte counts, got {counts!r}")
     try:
         tokenizer(manifest)
     except (ValueError, TypeError) as e:
@@ -164,6 +212,10 @@ def _is_entry(entry: Any) -> bool:
         and entry["tokens"] >= 0
         and isinstance(entry.get("sha256"), str)
     )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def tokenizer(manifest: dict[str, Any]) -> Tokenizer:

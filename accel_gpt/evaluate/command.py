@@ -3,8 +3,10 @@
     accelerate launch run.py eval --checkpoint P --hellaswag SRC --data_dir D
 
 The JSON holds `acc_norm, acc` with their standard errors `acc_norm_stderr, acc_stderr`, and `correct_norm,
-correct, total` with --hellaswag; `val_loss` and the `eval_steps, batch_size` it was computed with, with
---data_dir; and `num_processes` (the size of the group that computed it): the values are the same for any size.
+correct, total` with --hellaswag; `val_loss`, `val_bpb` (bits per byte, see `val_loss.py`; left out, with one line
+on stderr saying why, for data prepared before byte counts existed) and the `eval_steps, batch_size` they were
+computed with, with --data_dir; and `num_processes` (the size of the group that computed it): the values are the
+same for any size.
 
 The validation loss is the mean over the first `eval_steps * batch_size` windows of the val split, so it depends
 on those two. For a run's weights (a run dir or one of its checkpoints) they default to the run's own
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,7 @@ from accel_gpt.evaluate.hellaswag import (
     load_hellaswag,
     score_hellaswag,
 )
-from accel_gpt.evaluate.val_loss import evaluate_loss
+from accel_gpt.evaluate.val_loss import bits_per_byte, evaluate_loss, no_bpb_note
 from accel_gpt.files import atomic_write
 from accel_gpt.rundir import read_run_config, run_of
 from accel_gpt.runtime import make_accelerator
@@ -63,7 +66,9 @@ def run_eval(cfg: EvalConfig) -> None:
                 f"HellaSwag is scored with the gpt2 tokenizer; {cfg.checkpoint} uses '{card.tokenizer.name}'"
             )
         check_vocabulary(card.model.vocab_size)
-    windows = val_data(cfg, card) if cfg.data_dir else None  # every check passes before anything is scored
+    windows, per_byte = val_data(cfg, card) if cfg.data_dir else (None, None)  # checked before anything is scored
+    if windows is not None and per_byte is None and accelerator.is_main_process:
+        print(f"note: {no_bpb_note([cfg.data_dir])}", file=sys.stderr)
     if accelerator.mixed_precision != "no":  # autocast from the launch config; no DDP, evaluation needs no grads
         model = accelerator.prepare_model(model, evaluation_mode=True)
     result: dict[str, float | int] = {}
@@ -75,6 +80,8 @@ def run_eval(cfg: EvalConfig) -> None:
     if windows is not None:
         val_dl = accelerator.prepare_data_loader(DataLoader(windows, batch_size=cfg.batch_size))
         result["val_loss"] = evaluate_loss(model, val_dl, accelerator)
+        if per_byte is not None:
+            result["val_bpb"] = bits_per_byte(result["val_loss"], per_byte)
         result |= {"eval_steps": cfg.eval_steps, "batch_size": cfg.batch_size}
     result["num_processes"] = accelerator.num_processes
     if accelerator.is_main_process:
@@ -103,12 +110,14 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def val_data(cfg: EvalConfig, card: ModelCard) -> Subset:
-    """The validation windows of --data_dir, once the shards are known to be in the model's tokens and vocabulary."""
+def val_data(cfg: EvalConfig, card: ModelCard) -> tuple[Subset, float | None]:
+    """The validation windows of --data_dir, once the shards are known to be in the model's tokens and vocabulary,
+    and the val split's tokens per byte (None when its manifest counts no bytes)."""
     manifest = read_manifest(cfg.data_dir)
     check_same_tokenizer(manifest, card.tokenizer, cfg.data_dir, cfg.checkpoint)
     check_vocab(manifest, card.model.vocab_size, cfg.data_dir)
-    return val_windows(cfg.data_dir, card.model.seq_len, cfg.eval_steps * cfg.batch_size)
+    windows = val_windows(cfg.data_dir, card.model.seq_len, cfg.eval_steps * cfg.batch_size)
+    return windows, shards.tokens_per_byte(manifest, "val")
 
 
 def check_same_tokenizer(manifest: dict[str, Any], model_tok: Tokenizer, data_dir: str, checkpoint: str) -> None:

@@ -8,6 +8,11 @@ them would add graphs (and minutes of compile time on a GPU) at the first evalua
 For a mixture of sources, each source with a val split is evaluated on its own first `eval_steps` batches:
 `val_loss/<folder name>` for each, and `val_loss` their mean weighted by `data_weights` (renormalised over the
 sources that have a val split), so it measures the mixture the model is trained on.
+
+Bits per byte (`val_bpb`, see `val_loss`) joins each val loss whose data records its byte count: `val_bpb/<folder
+name>` with that source's own tokens per byte, and the mixture's `val_bpb` = `val_loss` over the mixture's bytes per
+token (each source's, weighted like the losses), i.e. the bits of a batch drawn in those shares over its bytes. Data
+prepared before byte counts existed gets no `val_bpb`, and one line at start-up says why.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from accel_gpt.config import TrainConfig
 from accel_gpt.data.loader import has_val, source_names, val_windows
+from accel_gpt.data.shards import read_manifest, tokens_per_byte
 from accel_gpt.errors import ConfigError
 from accel_gpt.evaluate.hellaswag import (
     check_vocabulary,
@@ -33,7 +39,7 @@ from accel_gpt.evaluate.hellaswag import (
     load_hellaswag,
     score_hellaswag,
 )
-from accel_gpt.evaluate.val_loss import evaluate_loss
+from accel_gpt.evaluate.val_loss import bits_per_byte, evaluate_loss, no_bpb_note
 from accel_gpt.generate import encode_prompt, sample_texts
 from accel_gpt.weights import ModelCard
 
@@ -49,11 +55,13 @@ class ValSource:
     name: str
     weight: float
     loader: DataLoader
+    tokens_per_byte: float | None  # of its val split; None: the manifest counts no bytes, so no val_bpb
 
 
 def val_sources(cfg: TrainConfig, accelerator: Accelerator) -> list[ValSource]:
-    """The first `eval_steps * micro_batch_size` val windows of each source that has a val split."""
-    sources = []
+    """The first `eval_steps * micro_batch_size` val windows of each source that has a val split, with the tokens
+    per byte that make its bits per byte."""
+    sources, without = [], []
     for name, data_dir, weight in zip(source_names(cfg.data_dirs), cfg.data_dirs, cfg.source_weights(), strict=True):
         if not has_val(data_dir):
             logger.info(f"source {name} has no val split: val_loss leaves it out")
@@ -66,8 +74,17 @@ def val_sources(cfg: TrainConfig, accelerator: Accelerator) -> list[ValSource]:
             verify=cfg.verify_data,
         )
         loader = accelerator.prepare_data_loader(DataLoader(windows, batch_size=cfg.micro_batch_size))
-        sources.append(ValSource(name, weight, loader))
+        sources.append(ValSource(name, weight, loader, tokens_per_byte(read_manifest(data_dir), "val")))
+        if sources[-1].tokens_per_byte is None:
+            without.append(str(data_dir))
+    if without:
+        logger.warning(no_bpb_note(without))  # once per run, main process only
     return sources
+
+
+def _bpb(key: str, loss: float, tokens_per_byte: float | None) -> dict[str, float]:
+    """{key: bits per byte}, or nothing where the data counts no bytes."""
+    return {key: bits_per_byte(loss, tokens_per_byte)} if tokens_per_byte else {}
 
 
 class Evaluator:
@@ -117,13 +134,22 @@ class Evaluator:
         return row
 
     def _val_losses(self) -> dict[str, float]:
-        """`val_loss`; for a mixture also `val_loss/<source>`, and `val_loss` is their weighted mean."""
+        """`val_loss` and `val_bpb`; for a mixture also `val_loss/<source>` and `val_bpb/<source>`, and `val_loss` is
+        their weighted mean (`val_bpb`: see the module docstring)."""
         losses = {s.name: evaluate_loss(self.model, s.loader, self.accelerator) for s in self.val_sources}
         if len(self.cfg.data_dirs) == 1:
-            return {"val_loss": losses[self.val_sources[0].name]}
+            (source,) = self.val_sources
+            return {"val_loss": losses[source.name]} | _bpb("val_bpb", losses[source.name], source.tokens_per_byte)
         total = sum(s.weight for s in self.val_sources)
         mean = sum(s.weight * losses[s.name] for s in self.val_sources) / total
-        return {"val_loss": mean} | {f"val_loss/{name}": loss for name, loss in losses.items()}
+        row = {"val_loss": mean}
+        if all(s.tokens_per_byte for s in self.val_sources):
+            bytes_per_token = sum(s.weight / s.tokens_per_byte for s in self.val_sources) / total
+            row |= _bpb("val_bpb", mean, 1 / bytes_per_token)
+        row |= {f"val_loss/{name}": loss for name, loss in losses.items()}
+        for s in self.val_sources:
+            row |= _bpb(f"val_bpb/{s.name}", losses[s.name], s.tokens_per_byte)
+        return row
 
     def _sample(self) -> str:
         (text,) = sample_texts(

@@ -4,9 +4,17 @@ Each sequence's mean token loss is gathered with `gather_for_metrics` (which dro
 even batching pads into the last batch), and the mean is taken over all of them in float64. All windows
 have `seq_len` tokens, so the mean of per-sequence means is the token-level mean, and the value depends
 only on which windows are in `val_dl`, not on how they were split over the ranks.
+
+Bits per byte (`val_bpb`) is the same loss in a unit that does not depend on the tokenizer: val_loss (nats per
+token) / ln 2 * (tokens / UTF-8 bytes of the val split), from the byte count `prepare` records in the manifest. A
+char model's token is one character, a GPT-2 token about four: their losses per token differ by that much for the
+same model quality, their bits per byte do not. The ratio is the whole split's while the loss is that of the windows
+evaluated (its first `eval_steps` batches): the split's average bytes per token stands in for theirs.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,3 +41,17 @@ def evaluate_loss(model: torch.nn.Module, val_dl: DataLoader, accelerator: Accel
     if not per_sequence:
         raise ValueError("the validation DataLoader is empty")
     return torch.cat(per_sequence).double().mean().item()
+
+
+def bits_per_byte(loss: float, tokens_per_byte: float) -> float:
+    """Nats per token -> bits per byte of text (see the module docstring)."""
+    return loss / math.log(2) * tokens_per_byte
+
+
+def no_bpb_note(folders: list[str]) -> str:
+    """The one line said when val_bpb cannot be computed for some data: what is missing and the remedy."""
+    return (
+        f"val_bpb (bits per byte) is unavailable for {', '.join(folders)}: its manifest.json has no byte count of "
+        "the val split (prepared before accel_gpt recorded it); run the prepare command that wrote it again, which "
+        "adds the count without tokenizing again (or prepare it anew)"
+    )
