@@ -28,8 +28,10 @@ see only `checkpoints/step_*`.
 What a resume must share with its checkpoint: the model's shape, the global batch and seed (`RESUME_FIELDS`), and
 the data (`TrainState.data`: tokenizer, vocabulary and a fingerprint of the training shards). Other data is
 refused, naming `--init_from` (which starts a new run from a checkpoint's weights). The optimizer's settings
-(learning_rate, weight_decay, betas) may change: they are applied after `load_state` (the learning rate by
-`optim.StepSchedule`, the others here) and each change is logged, so the run uses the values config.yaml records.
+(learning_rate, weight_decay, betas, Muon's) may change: they are applied after `load_state` (the learning rates by
+`optim.StepSchedule`, the others by `optim.apply_settings`) and each change is logged, so the run uses the values
+config.yaml records. The optimizer itself may not: its state is another optimizer's (AdamW's moments are not Muon's
+momentum), so a resume under the other one is refused.
 
 The weights are saved under the unwrapped model's keys whatever the world size (Accelerate keeps the
 module it was given, not the DDP wrapper, in the list it saves), so a checkpoint written by W processes
@@ -59,6 +61,7 @@ from accelerate.utils import DistributedType, gather_object
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.errors import UserError
 from accel_gpt.files import atomic_write_json, fsync_dir, fsync_tree, publish, remove
+from accel_gpt.optim import apply_settings
 from accel_gpt.rundir import same_on_every_rank
 from accel_gpt.spike import SpikeGuard
 from accel_gpt.tokenizer import Tokenizer
@@ -81,7 +84,8 @@ RESUME_FIELDS = (*MODEL_FIELDS, "total_batch_size", "seed")
 # restores the saved ones; the schedule's and grad_clip are read from the config at every step anyway.
 CHANGEABLE_FIELDS = ("learning_rate", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "min_lr_ratio")
 CHANGEABLE_FIELDS += ("lr_schedule", "schedule_steps", "decay_fraction", "max_steps")
-CHANGEABLE_FIELDS += ("spike_loss_zscore", "spike_grad_zscore", "spike_window")
+CHANGEABLE_FIELDS += ("spike_loss_zscore", "spike_grad_zscore", "spike_window", "dropout")
+CHANGEABLE_FIELDS += ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr_fn")
 
 
 @dataclass
@@ -251,7 +255,7 @@ class Checkpointer:
             raise UserError(f"cannot load checkpoint {path}: {first_line(e)}") from None
         reset_micro_step(self.accelerator)
         self.state.config, self.state.data = config, data  # the run goes on under the config it was started with now
-        apply_optimizer_settings(optimizer, config)
+        apply_settings(optimizer, config)
         for name in changed_settings(saved.config, config):
             logger.info(f"resume: {name} {saved.config[name]} -> {config[name]}")
         if resume != "auto":
@@ -436,6 +440,12 @@ def find_resume_checkpoint(resume: str, out_dir: str | Path) -> Path | None:
 
 
 def check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    was, now = saved.get("optimizer", "adamw"), current.get("optimizer", "adamw")  # older runs trained with AdamW
+    if was != now:
+        raise UserError(
+            f"cannot resume from {path}: it was trained with --optimizer {was}, whose state does not carry over to "
+            f"{now}; resume with --optimizer {was}, or start a new run from its weights with --init_from {path}"
+        )
     for name in RESUME_FIELDS:
         if name in saved and saved[name] != current[name]:
             raise UserError(
@@ -486,18 +496,6 @@ def tokenizer_mismatch(weights: Tokenizer, data: Tokenizer) -> str:
 def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """The CHANGEABLE_FIELDS whose value differs from the checkpoint's config (absent ones are not compared)."""
     return [name for name in CHANGEABLE_FIELDS if name in saved and name in current and saved[name] != current[name]]
-
-
-def apply_optimizer_settings(optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> None:
-    """After `load_state`: the optimizer restored the saved betas and weight decay; give it this run's.
-
-    The decayed group is the one of matrices (`optim.param_groups` decays >= 2-D parameters only). The same values
-    are written back when nothing changed, so an unchanged resume stays bit-identical. The learning rate is the
-    schedule's (`optim.StepSchedule` recomputes it from this run's config)."""
-    for group in optimizer.param_groups:
-        group["betas"] = (config["beta1"], config["beta2"])
-        if group["params"] and all(p.dim() >= 2 for p in group["params"]):
-            group["weight_decay"] = config["weight_decay"]
 
 
 def saved_state(path: Path) -> TrainState:

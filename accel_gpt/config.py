@@ -195,13 +195,15 @@ def at_least(cfg: Config, minimum: float, *names: str) -> None:
 # ------------------------------------------------------------------------------------------------ train
 
 # Fields that define the model's shape: a resume or init that changes one of these cannot load weights.
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")
+MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "bias")
 # torch.compile's modes; the CUDA-graph ones replay whole steps, which pays off where launches bound a step.
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 LRSchedule = Literal["cosine", "wsd", "linear", "constant"]
 # Applied steps the spike guard must have seen before it judges one: fewer make too rough a mean and deviation.
 SPIKE_MIN_HISTORY = 16
 AttentionBackend = Literal["auto", "flash", "cudnn", "efficient", "math"]
+OptimizerName = Literal["adamw", "muon"]
+MuonLRAdjust = Literal["original", "match_rms_adamw"]
 
 
 @dataclass
@@ -220,6 +222,8 @@ class TrainConfig(Config):
     n_embd: int = option(768, "width of the residual stream")
     seq_len: int = option(1024, "tokens per training sequence; also the model's context (position table)")
     vocab_size: int = option(50_304, "embedding rows: GPT-2's 50,257 padded to a multiple of 128 for fast matmuls")
+    bias: bool = option(True, "Linear and LayerNorm biases (GPT-2's); false drops them all, as nanoGPT's CPU recipe")
+    dropout: float = option(0.0, "dropout on embeddings, attention weights and residual branches; training only")
     # optimization
     total_batch_size: int = option(524_288, "tokens per optimizer step, all processes together (2**19)")
     micro_batch_size: int = option(16, "sequences per process per forward pass")
@@ -234,6 +238,13 @@ class TrainConfig(Config):
     grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = no clipping)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
+    optimizer: OptimizerName = option("adamw", "adamw | muon (Muon on the blocks' weight matrices, AdamW on the rest)")
+    muon_lr: float = option(0.02, "muon: peak learning rate of the block matrices; the schedule scales it too")
+    muon_momentum: float = option(0.95, "muon: Nesterov momentum")
+    muon_weight_decay: float = option(0.0, "muon: decoupled weight decay of the block matrices")
+    muon_adjust_lr_fn: MuonLRAdjust = option(
+        "original", "muon: per-matrix lr scale: original (sqrt(max(1, rows/cols))) | match_rms_adamw (0.2*sqrt(max))"
+    )
     seed: int = option(1337, "initial weights and data order")
     # loss-spike guard: an outlier step is not applied (the schedule and data still advance)
     spike_loss_zscore: float = option(0.0, "skip a step whose loss is over this many std above its mean (0 = off)")
@@ -286,7 +297,10 @@ class TrainConfig(Config):
             raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        for name in ("beta1", "beta2"):
+        if self.muon_lr <= 0:
+            raise ConfigError(f"muon_lr={self.muon_lr} must be > 0")
+        at_least(self, 0, "muon_weight_decay")
+        for name in ("beta1", "beta2", "muon_momentum", "dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
         if self.seed < 0:

@@ -64,7 +64,8 @@ def _fit_vocab(wte: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def gpt2_config(cfg: GPTConfig, vocab_size: int | None = None) -> GPT2Config:
-    """The transformers config of our architecture: GELU-tanh, no dropout (ours has none), tied head."""
+    """The transformers config of our architecture: GELU-tanh, tied head, the model's dropout in all three places
+    (ours drops out where GPT-2 does: embeddings, attention weights, residual branches)."""
     from transformers import GPT2Config
 
     vocab_size = vocab_size or cfg.vocab_size
@@ -77,9 +78,9 @@ def gpt2_config(cfg: GPTConfig, vocab_size: int | None = None) -> GPT2Config:
         n_head=cfg.n_head,
         n_inner=None,  # 4 * n_embd, as in ours
         activation_function="gelu_new",
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
         layer_norm_epsilon=cfg.layer_norm_eps,
         bos_token_id=eot,
         eos_token_id=eot,
@@ -101,13 +102,17 @@ def to_transformers(model: GPT, vocab_size: int | None = None) -> GPT2LMHeadMode
     """A `GPT2LMHeadModel` (CPU, float32, eval mode) with `model`'s weights.
 
     `vocab_size` smaller than the model's keeps only the first rows: `export` passes 50,257 to drop the
-    padded ids, which the tokenizer never produces. Larger pads as `_fit_vocab` explains.
+    padded ids, which the tokenizer never produces. Larger pads as `_fit_vocab` explains. transformers' GPT-2
+    always has biases: a model trained without them (`bias=False`) gets zero biases, which give the same logits.
     """
     from transformers import GPT2LMHeadModel
 
     hf_model = GPT2LMHeadModel(gpt2_config(model.config, vocab_size))
     src = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
     state = _map_state(src, [k for k in src if k != _LM_HEAD])
+    for key, value in hf_model.state_dict().items():
+        if key.endswith(".bias") and key not in state and not model.config.bias:
+            state[key] = torch.zeros_like(value)
     state[_WTE] = _fit_vocab(state[_WTE], hf_model.config.vocab_size)
     _load_tied(hf_model, state)
     return hf_model.eval()

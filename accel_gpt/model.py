@@ -1,5 +1,8 @@
 """GPT-2 in plain PyTorch: pre-LayerNorm blocks, causal SDPA attention, GELU-tanh MLP, tied embeddings.
 
+Optional, as in nanoGPT: no biases (`bias=False`: Linear and LayerNorm layers without them) and dropout where
+GPT-2 puts it (after the embeddings, on the attention weights, on each residual branch), active in training only.
+
 Module names follow GPT-2's checkpoint (`wte`, `wpe`, `h`, `ln_f`, `c_attn`, `c_proj`, `c_fc`) so that
 `hf.py` is a plain key map. This file knows nothing about Accelerate, devices or ranks.
 """
@@ -23,6 +26,8 @@ class GPTConfig:
     seq_len: int = 1024
     vocab_size: int = 50_304
     layer_norm_eps: float = 1e-5
+    bias: bool = True  # GPT-2's; False drops every Linear and LayerNorm bias
+    dropout: float = 0.0  # training only: model.eval() turns it off
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,9 +65,11 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.layer_idx = layer_idx  # where this layer's keys/values live in a KVCache
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_scale = True  # scaled at init: it adds into the residual stream
+        self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T, C = x.shape
@@ -75,32 +82,34 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             start = cache.length
             k, v = cache.extend(self.layer_idx, k, v)
-        if start == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash/memory-efficient kernel on GPU
+        if start == 0:  # flash/memory-efficient kernel on GPU; dropout on the attention weights, inside the kernel
+            dropout = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:  # the new tokens attend to all cached ones and, causally, to each other
             mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, n_head, T, head_dim) -> (B, T, C)
-        return self.c_proj(y)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_scale = True
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_idx: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg, layer_idx)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -118,8 +127,9 @@ class GPT(nn.Module):
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
                 wpe=nn.Embedding(cfg.seq_len, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
                 h=nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer)),
-                ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps),
+                ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias),
             )
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -156,7 +166,7 @@ class GPT(nn.Module):
         if start + T > self.config.seq_len:
             raise ValueError(f"sequence length {start + T} exceeds the model's seq_len={self.config.seq_len}")
         pos = torch.arange(start, start + T, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
             if self.activation_checkpointing and self.training:
                 x = checkpoint(block, x, use_reentrant=False)

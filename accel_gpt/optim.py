@@ -1,4 +1,7 @@
-"""AdamW parameter groups and the learning-rate schedule as a pure function of (optimizer step, config).
+"""The optimizer (AdamW, or Muon + AdamW) and the learning-rate schedule as a pure function of (optimizer step, config).
+
+This is the one module that knows there may be two optimizers: `MuonAdamW` holds both and is one
+`torch.optim.Optimizer` to everything else (Accelerate's `prepare`, the schedule, the spike guard, the checkpoint).
 
 Only the step is resumed (`StepSchedule`): a resumed run computes every rate from its step and the config it
 runs with now, so a changed `schedule_steps` (a longer horizon for a run stopped in wsd's stable phase) or
@@ -8,16 +11,18 @@ runs with now, so a changed `schedule_steps` (a longer horizon for a run stopped
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 from accel_gpt.config import TrainConfig
+from accel_gpt.errors import ConfigError
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
     """Decay matrices and embeddings (>= 2-D); never biases or LayerNorm gains (1-D)."""
-    params = [p for p in model.parameters() if p.requires_grad]  # .parameters() lists the tied wte once
+    params = [p for p in params if p.requires_grad]
     return [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -28,17 +33,122 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.Optimizer:
+    """AdamW over every parameter, or (`optimizer: muon`) Muon over the blocks' weight matrices and AdamW over the
+    rest: embeddings, the tied LM head, biases and LayerNorm gains, which Muon's orthogonalized update does not suit
+    (an embedding row is updated only where its token occurs; a 1-D gain has no matrix to orthogonalize)."""
+    fused = device_type in FUSED_ADAMW_DEVICES
+    params = list(model.parameters())  # .parameters() lists the tied wte once
+    if cfg.optimizer == "adamw":
+        return make_adamw(param_groups(params, cfg.weight_decay), cfg, fused)
+    if not hasattr(torch.optim, "Muon"):
+        raise ConfigError(f"optimizer=muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
+    matrices = {id(p) for p in model.transformer.h.parameters() if p.dim() == 2}
+    muon = torch.optim.Muon(
+        [p for p in params if id(p) in matrices],
+        lr=cfg.muon_lr,
+        weight_decay=cfg.muon_weight_decay,
+        momentum=cfg.muon_momentum,
+        nesterov=True,
+        adjust_lr_fn=cfg.muon_adjust_lr_fn,
+    )
+    adamw = make_adamw(param_groups([p for p in params if id(p) not in matrices], cfg.weight_decay), cfg, fused)
+    return MuonAdamW(muon, adamw)
+
+
+def make_adamw(groups: list[dict], cfg: TrainConfig, fused: bool) -> torch.optim.AdamW:
     """AdamW; the fused kernel updates all parameters in a few launches instead of one per tensor (on CPU, 3.2-5.1x
     faster than the default implementation: `bench/spike_guard.py`), and its `found_inf` flag is how the spike
     guard cancels a step."""
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.learning_rate,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=1e-8,
-        fused=device_type in FUSED_ADAMW_DEVICES,
-    )
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=fused)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon and AdamW as one optimizer: one `step`, one state_dict holding both states, and `param_groups` that list
+    AdamW's groups, then Muon's. The schedule scales every group from its own peak (`learning_rate` for AdamW,
+    `muon_lr` for Muon) by the same factor, and the first group's rate is AdamW's, the one the metrics log.
+
+    `Optimizer.__init__` is not called: the groups and states stay the inner optimizers' own (their
+    `load_state_dict` replaces their group dicts, so a copied list would go stale). Like fused AdamW, `step` honours
+    a `found_inf` flag set on it (the spike guard's, GradScaler's protocol): AdamW's kernel skips on the device, and
+    Muon's update is undone on the device too (weights and momentum put back), so a skipped step changes nothing.
+    """
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.AdamW) -> None:
+        self.muon, self.adamw = muon, adamw
+        self.defaults: dict = {}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.adamw.param_groups + self.muon.param_groups
+
+    @property
+    def state(self) -> dict:
+        return {**self.adamw.state, **self.muon.state}
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        skip = getattr(self, "found_inf", None)
+        if skip is None:
+            self.adamw.step()
+            self.muon.step()
+            return
+        self.adamw.found_inf = skip
+        try:
+            self.adamw.step()
+        finally:
+            del self.adamw.found_inf
+        self._muon_step_unless(skip.bool())
+
+    def _muon_step_unless(self, skip: torch.Tensor) -> None:
+        """Muon's step, then each weight and momentum buffer put back where `skip` (a 0-dim device bool) is true:
+        a select on the device, no host sync. Costs a copy of the Muon weights and buffers per guarded step."""
+        params = [p for group in self.muon.param_groups for p in group["params"] if p.grad is not None]
+        tensors = []
+        for p in params:  # the buffer Muon would create in this step, created now so that it can be put back
+            buf = self.muon.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+            tensors += [p, buf]
+        before = [t.clone() for t in tensors]
+        self.muon.step()
+        for old, new in zip(before, tensors, strict=True):
+            new.copy_(torch.where(skip, old, new))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        self.muon.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if set(state_dict) != {"adamw", "muon"}:
+            raise ValueError(f"not a Muon + AdamW optimizer state (keys {sorted(state_dict)[:4]})")
+        self.adamw.load_state_dict(state_dict["adamw"])
+        self.muon.load_state_dict(state_dict["muon"])
+
+
+def can_skip_steps(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `step` honours a `found_inf` flag: fused AdamW does, and so does `MuonAdamW` over a fused AdamW."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper holds the torch optimizer
+    adamw = inner.adamw if isinstance(inner, MuonAdamW) else inner
+    return all(group.get("fused") for group in adamw.param_groups)
+
+
+def apply_settings(optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> None:
+    """After a resume's `load_state`: the optimizer restored the saved betas, momentum and weight decay; give it
+    this run's (`config`: the run's config as a dict).
+
+    AdamW's decayed group is the one of matrices (`param_groups` decays >= 2-D parameters only). The same values are
+    written back when nothing changed, so an unchanged resume stays bit-identical. The learning rates are the
+    schedule's (`StepSchedule` recomputes them from this run's config)."""
+    for group in optimizer.param_groups:
+        if "betas" not in group:  # a Muon group
+            group["momentum"], group["weight_decay"] = config["muon_momentum"], config["muon_weight_decay"]
+            group["adjust_lr_fn"] = config["muon_adjust_lr_fn"]
+            continue
+        group["betas"] = (config["beta1"], config["beta2"])
+        if group["params"] and all(p.dim() >= 2 for p in group["params"]):
+            group["weight_decay"] = config["weight_decay"]
 
 
 def schedule_horizon(cfg: TrainConfig) -> int:

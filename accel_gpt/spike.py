@@ -21,6 +21,7 @@ import torch
 
 from accel_gpt.config import SPIKE_MIN_HISTORY, TrainConfig
 from accel_gpt.errors import ConfigError
+from accel_gpt.optim import can_skip_steps
 
 # Skipped steps in a row that stop the run (`tracking.MetricsLogger`): a guard that skips a bad batch sees the next
 # one pass; when every batch is an outlier, an earlier update has broken the weights and skipping only keeps them so
@@ -74,7 +75,7 @@ class SpikeGuard:
 
 def check_can_skip(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
     """The guard cancels a step through fused AdamW's `found_inf`: refuse a setup where that flag is not ours."""
-    if not all(group.get("fused") for group in optimizer.param_groups):
+    if not can_skip_steps(optimizer):
         raise ConfigError(
             "the spike guard skips steps through fused AdamW, which this device lacks; set spike_*_zscore 0"
         )
@@ -87,8 +88,8 @@ def check_can_skip(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
 def optimizer_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> None:
     """`optimizer.step()`, a no-op for the weights and the optimizer state where `skip` is true.
 
-    `found_inf` is read by the fused kernel on the device (GradScaler's route); it is set on the torch optimizer,
-    which Accelerate's wrapper holds as `.optimizer`.
+    `found_inf` is read by the fused kernel on the device (GradScaler's route; `optim.MuonAdamW` honours it too); it
+    is set on the torch optimizer, which Accelerate's wrapper holds as `.optimizer`.
     """
     if skip is None:
         optimizer.step()

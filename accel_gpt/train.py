@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    ProjectConfiguration,
+    set_seed,
+)
 from torch.utils.data import DataLoader
 
 from accel_gpt.checkpoint import Checkpointer, TrainState, complete_checkpoints, data_identity, tokenizer_mismatch
@@ -161,17 +167,19 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
 
 def build_model(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
     """A fresh GPT, or the weights `init_from` names, checked against the config's shape and the data's tokenizer."""
-    gpt_config = GPTConfig(**{name: getattr(cfg, name) for name in MODEL_FIELDS})
+    gpt_config = GPTConfig(**{name: getattr(cfg, name) for name in MODEL_FIELDS}, dropout=cfg.dropout)
     if cfg.init_from == "none":
         model = GPT(gpt_config)
     else:
-        model = load_init_from(cfg, tokenizer)
+        loaded = load_init_from(cfg, tokenizer)
         for name in MODEL_FIELDS:
-            if getattr(model.config, name) != getattr(gpt_config, name):
+            if getattr(loaded.config, name) != getattr(gpt_config, name):
                 raise ConfigError(
-                    f"init_from {cfg.init_from} has {name}={getattr(model.config, name)} but the config says "
-                    f"{getattr(gpt_config, name)}; set --{name} {getattr(model.config, name)}"
+                    f"init_from {cfg.init_from} has {name}={getattr(loaded.config, name)} but the config says "
+                    f"{getattr(gpt_config, name)}; set --{name} {str(getattr(loaded.config, name)).lower()}"
                 )
+        model = GPT(replace(loaded.config, dropout=cfg.dropout))  # this run's dropout, not the source's
+        model.load_state_dict(loaded.state_dict())
     model.activation_checkpointing = cfg.activation_checkpointing
     model.loss_chunk = cfg.loss_chunk
     return model
@@ -218,6 +226,12 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
     model = build_model(cfg, tokenizer)
     card = ModelCard(model.config, tokenizer)
     flops_per_token = model.flops_per_token()
+    if cfg.optimizer == "muon" and accelerator.distributed_type == DistributedType.FSDP:
+        raise ConfigError(
+            "optimizer=muon cannot train under FSDP: torch.optim.Muon would orthogonalize each process's shard of a "
+            "matrix, not the matrix; use a DDP launch (multi_gpu) or --optimizer adamw"
+        )
+    set_seed(cfg.seed, device_specific=True)  # from here each rank draws its own dropout masks
     optimizer = make_optimizer(model, cfg, accelerator.device.type)
     scheduler = make_scheduler(optimizer, cfg)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)

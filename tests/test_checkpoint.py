@@ -320,6 +320,18 @@ def epoch_chain_runs(data: Path, out: Path) -> dict:
     return seen
 
 
+MUON = ("--optimizer", "muon")
+DROPOUT = ("--dropout", "0.2", "--bias", "false")
+
+
+def killed_and_resumed(processes: int, data: Path, out: Path, *extra: str) -> dict:
+    """SIGKILL of every process during step 4 (newest checkpoint: step 3), then `--resume auto` to the end."""
+    rc, kill_out = interrupted(processes, data, out, "--pause_at 4", signal.SIGKILL, *extra)
+    assert rc == -signal.SIGKILL, kill_out[-4000:]
+    after_kill = checkpoints(out)
+    return {"run": out, "after_kill": after_kill, "final": train(processes, data, out, *extra, "--resume", "auto")}
+
+
 def elastic_run(data: Path, out: Path) -> dict:
     """`accelerate launch --max_restarts 1 --rdzv_backend c10d`, `resume: auto`; rank 1 SIGKILLs itself once,
     before step 5.
@@ -377,6 +389,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data: Path, tiny_data: Path) 
         "ref1": lambda: reference(1, data, root / "ref1"),
         "epoch_ref": lambda: reference(1, tiny_data, root / "epoch_ref", *EPOCH_FLAGS),
         "init_from": lambda: init_from_runs(data, root / "init"),
+        "muon_chain": lambda: killed_and_resumed(1, data, root / "muon" / "run", *MUON),
+        "muon_ref": lambda: reference(1, data, root / "muon_ref", *MUON),
+        "dropout_chain": lambda: killed_and_resumed(2, data, root / "dropout" / "run", *DROPOUT),
+        "dropout_ref": lambda: reference(2, data, root / "dropout_ref", *DROPOUT),
     }
     with ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
@@ -485,6 +501,32 @@ def test_w2_sigkill_then_sigterm_then_resume_equals_uninterrupted(runs: dict, re
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("name", "processes"), [("muon", 1), ("dropout", 2)])
+def test_killed_and_resumed_equals_uninterrupted(runs: dict, name: str, processes: int) -> None:
+    """Muon + AdamW (both states in the checkpoint), and dropout 0.2 without biases on 2 processes (each rank's
+    random state in the checkpoint: the resumed steps draw the masks the uninterrupted run drew): SIGKILL during
+    step 4, `--resume auto`, bit-identical to the run never stopped."""
+    chain, ref = result(runs, f"{name}_chain"), result(runs, f"{name}_ref")
+    assert chain["after_kill"] == ["step_00000003"]
+    assert_group(chain["final"].stderr, processes)
+    assert_same_run(chain["run"], ref)
+
+
+@pytest.mark.slow
+def test_dropout_and_muon_runs_differ_from_the_plain_run(runs: dict, ref: dict[int, Path]) -> None:
+    """The settings took effect: each changes the losses from step 1 (dropout) or 2 (the first Muon update), and the
+    dropout run's weights have no biases; its saved model_config records both settings."""
+    plain = rows(ref[1])
+    muon, dropout = rows(result(runs, "muon_ref")), rows(result(runs, "dropout_ref"))
+    assert muon[0]["loss"] == plain[0]["loss"] and muon[1]["loss"] != plain[1]["loss"]
+    assert dropout[0]["loss"] != rows(ref[2])[0]["loss"]
+    weights = load_file(str(result(runs, "dropout_ref") / "model.safetensors"))
+    assert not any(k.endswith(".bias") for k in weights) and any(k.endswith("ln_f.weight") for k in weights)
+    model, _ = load_model(result(runs, "dropout_ref"))
+    assert (model.config.dropout, model.config.bias) == (0.2, False) and not model.training
+
+
+@pytest.mark.slow
 def test_elastic_restart_after_a_worker_dies(runs: dict, ref: dict[int, Path]) -> None:
     """torchrun restarts the group after rank 1 dies; `resume: auto` takes it from step 3 to the uninterrupted
     run's weights."""
@@ -582,10 +624,12 @@ def from_ref(tmp_path_factory: pytest.TempPathFactory, data: Path, ref: dict[int
     root = tmp_path_factory.mktemp("from_ref")
     cases: dict[str, tuple[Path, list[str]]] = {"w2_to_w1": (root / "w2_to_w1", ["--resume", "auto"])}
     shutil.copytree(ckpt(ref[2], 3), ckpt(cases["w2_to_w1"][0], 3))
-    for name in ("shape", "truncated_weights", "unsafe_pickle"):
+    for name in ("shape", "truncated_weights", "unsafe_pickle", "optimizer", "bias"):
         shutil.copytree(ref[1], root / name)
         cases[name] = (root / name, ["--resume", "auto"])
     cases["shape"][1].extend(["--n_layer", "3"])
+    cases["optimizer"][1].extend(["--optimizer", "muon"])
+    cases["bias"][1].extend(["--bias", "false"])
     _truncate(ckpt(cases["truncated_weights"][0], 8) / "model.safetensors")
     marker = root / "payload_ran"
     torch.save({"step": Payload(marker)}, ckpt(cases["unsafe_pickle"][0], 8) / "custom_checkpoint_0.pkl")
@@ -626,6 +670,8 @@ def test_resume_under_another_world_size(from_ref: dict, ref: dict[int, Path]) -
         ("shape", "n_layer was 2 there but is 3 now"),
         ("truncated_weights", "cannot load checkpoint"),
         ("unsafe_pickle", "refusing to unpickle it"),
+        ("optimizer", "it was trained with --optimizer adamw, whose state does not carry over to muon"),
+        ("bias", "bias was True there but is False now"),
     ],
 )
 def test_refused_resume_is_one_line_exit_2_and_touches_nothing(from_ref: dict, case: str, expected: str) -> None:

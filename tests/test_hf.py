@@ -384,3 +384,19 @@ def test_export_leaves_a_non_empty_out_dir_alone(exported, tmp_path, capsys):
     (out / "notes.txt").write_text("keep me")
     assert "not an empty folder" in cli_export_error(run_dir, out, capsys)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_a_bias_free_dropout_model_exports_with_zero_biases_its_dropout_and_the_same_logits(tmp_path):
+    """transformers' GPT-2 always has biases: a model trained without them loads with zero biases and gives the same
+    logits; the run's dropout becomes GPT2Config's three pdrops (and both sides drop nothing in eval mode)."""
+    torch.manual_seed(0)
+    model = randomize(GPT(GPTConfig(**TINY, vocab_size=PADDED_VOCAB, bias=False, dropout=0.1)), seed=3)
+    assert not any(name.endswith(".bias") for name, _ in model.named_parameters())
+    out = export(save(model, tmp_path / "run", step=3), tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["embd_pdrop"] == config["attn_pdrop"] == config["resid_pdrop"] == 0.1
+    loaded = GPT2LMHeadModel.from_pretrained(out).eval()
+    biases = {k: v for k, v in loaded.state_dict().items() if k.endswith(".bias")}
+    assert len(biases) == 6 * TINY["n_layer"] + 1 and all(not v.any() for v in biases.values())
+    x = ids(50_257)
+    torch.testing.assert_close(theirs(loaded, x), ours(model, x)[..., :50_257], atol=1e-4, rtol=0)

@@ -6,6 +6,7 @@ Every case below uses learning_rate 1, warmup_steps 2 and min_lr_ratio 0.1, so a
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -19,7 +20,15 @@ from safetensors.torch import load_file
 
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError
-from accel_gpt.optim import lr_multiplier, make_scheduler, schedule_horizon
+from accel_gpt.optim import (
+    MuonAdamW,
+    apply_settings,
+    can_skip_steps,
+    lr_multiplier,
+    make_optimizer,
+    make_scheduler,
+    schedule_horizon,
+)
 
 
 def cfg(**overrides: object) -> TrainConfig:
@@ -210,3 +219,103 @@ def test_wsd_run_stopped_in_its_stable_phase_continues_on_a_longer_horizon(tmp_p
     logged = [r["lr"] for r in _rows(out)]
     assert logged == pytest.approx([1e-3 * lr_multiplier(k, new) for k in range(12)], rel=1e-12)
     assert logged[4:] == pytest.approx([1e-3] * 6 + [7e-4, 4e-4], rel=1e-9)
+
+
+# ------------------------------------------------------------------------------------------ Muon + AdamW
+
+
+def tiny_gpt(**overrides: object) -> torch.nn.Module:
+    from accel_gpt.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**({"n_layer": 2, "n_head": 2, "n_embd": 16, "seq_len": 8, "vocab_size": 64} | overrides)))
+
+
+def muon_cfg(**overrides: object) -> TrainConfig:
+    return cfg(optimizer="muon", learning_rate=1e-3, muon_lr=0.02, max_steps=20, **overrides)
+
+
+def test_muon_takes_the_block_matrices_and_adamw_the_rest() -> None:
+    model = tiny_gpt()
+    optimizer = make_optimizer(model, muon_cfg(), "cpu")
+    assert isinstance(optimizer, MuonAdamW) and isinstance(optimizer.muon, torch.optim.Muon)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = sorted(names[id(p)] for g in optimizer.muon.param_groups for p in g["params"])
+    adamw = sorted(names[id(p)] for g in optimizer.adamw.param_groups for p in g["params"])
+    matrices = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    assert muon == sorted(f"transformer.h.{i}.{m}" for i in range(2) for m in matrices)
+    assert "transformer.wte.weight" in adamw and "transformer.wpe.weight" in adamw  # the tied head is wte
+    assert sorted(muon + adamw) == sorted(names.values()), "every parameter exactly once"
+    assert optimizer.adamw.param_groups[0]["fused"] and optimizer.param_groups[0] is optimizer.adamw.param_groups[0]
+    assert can_skip_steps(optimizer)
+
+
+def test_the_schedule_scales_both_optimizers_by_the_same_factor() -> None:
+    optimizer = make_optimizer(tiny_gpt(), muon_cfg(), "cpu")
+    scheduler = make_scheduler(optimizer, muon_cfg())
+    for step in range(6):
+        factor = lr_multiplier(step, muon_cfg())
+        adamw, muon = optimizer.adamw.param_groups, optimizer.muon.param_groups
+        assert [g["lr"] for g in adamw] == pytest.approx([1e-3 * factor] * 2, rel=1e-12)
+        assert [g["lr"] for g in muon] == pytest.approx([0.02 * factor], rel=1e-12)
+        assert scheduler.get_last_lr()[0] == adamw[0]["lr"], "the logged rate is AdamW's"
+        optimizer.step()
+        scheduler.step()
+
+
+def train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: object, steps: range) -> None:
+    for step in steps:
+        generator = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 64, (4, 8), generator=generator)
+        _, loss = model(x, x.roll(1, dims=1))
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_muon_state_round_trips_and_continues_bit_identically() -> None:
+    """3 steps, then the state (weights, both optimizers, schedule) into fresh objects: 3 more steps there equal 3
+    more steps of the original, bit for bit."""
+    c = muon_cfg()
+    model = tiny_gpt()
+    optimizer = make_optimizer(model, c, "cpu")
+    scheduler = make_scheduler(optimizer, c)
+    train_steps(model, optimizer, scheduler, range(3))
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), scheduler.state_dict()))
+    assert set(saved[1]) == {"adamw", "muon"} and len(saved[1]["muon"]["state"]) == 8
+    train_steps(model, optimizer, scheduler, range(3, 6))
+
+    other = tiny_gpt()
+    other.load_state_dict(saved[0])
+    other_opt = make_optimizer(other, c, "cpu")
+    other_sched = make_scheduler(other_opt, c)
+    other_opt.load_state_dict(saved[1])
+    other_sched.load_state_dict(saved[2])
+    train_steps(other, other_opt, other_sched, range(3, 6))
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="not a Muon"):
+        other_opt.load_state_dict(torch.optim.AdamW(tiny_gpt().parameters()).state_dict())
+
+
+def test_resume_settings_reach_each_optimizer_and_only_its_own_groups() -> None:
+    optimizer = make_optimizer(tiny_gpt(), muon_cfg(), "cpu")
+    config = muon_cfg(weight_decay=0.3, beta2=0.9, muon_momentum=0.8, muon_weight_decay=0.05).to_dict()
+    config["muon_adjust_lr_fn"] = "match_rms_adamw"
+    apply_settings(optimizer, config)
+    decayed, plain = optimizer.adamw.param_groups
+    assert decayed["weight_decay"] == 0.3 and plain["weight_decay"] == 0.0 and decayed["betas"] == (0.9, 0.9)
+    (muon,) = optimizer.muon.param_groups
+    assert (muon["momentum"], muon["weight_decay"], muon["adjust_lr_fn"]) == (0.8, 0.05, "match_rms_adamw")
+    assert "betas" not in muon
+
+
+def test_muon_refusals_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ({"muon_lr": 0.0}, {"muon_momentum": 1.0}, {"muon_weight_decay": -0.1}, {"dropout": 1.0}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            cfg(**bad)
+    with pytest.raises(ConfigError, match=r"optimizer='sgd' is not one of adamw, muon"):
+        cfg(optimizer="sgd")
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ConfigError, match=r"optimizer=muon needs torch.optim.Muon \(torch >= 2.9\)"):
+        make_optimizer(tiny_gpt(), muon_cfg(), "cpu")

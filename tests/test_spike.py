@@ -89,13 +89,22 @@ def test_window_keeps_the_last_applied_steps_and_its_state_round_trips() -> None
     assert smaller.values[:, 0].tolist() == [2.0 + i / 64 for i in range(5, 21)] and int(smaller.count) == 16
 
 
-def test_a_skipped_step_changes_no_weight_or_optimizer_state_while_the_schedule_advances() -> None:
-    """Through the trainer's own AdamW (fused, two groups) and schedule: after 16 ordinary steps, an outlier step
-    leaves every parameter, moment and step counter bit-identical while the learning rate moves on; the next
-    ordinary step updates everything again."""
+def optimizer_tensors(state_dict: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of an optimizer state (AdamW's, or Muon + AdamW's two), by a path name."""
+    parts = state_dict.items() if "adamw" in state_dict else [("adamw", state_dict)]
+    return {f"{part}/{i}/{k}": v for part, sd in parts for i, s in sd["state"].items() for k, v in s.items()}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_a_skipped_step_changes_no_weight_or_optimizer_state_while_the_schedule_advances(name: str) -> None:
+    """Through the trainer's own optimizer (fused AdamW, two groups; or Muon on the block matrices + that AdamW)
+    and schedule: after 16 ordinary steps, an outlier step leaves every parameter, moment, momentum buffer and step
+    counter bit-identical while the learning rate moves on; the next ordinary step updates everything again."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=8, vocab_size=64))
-    cfg = TrainConfig(data_dir="unused", learning_rate=1e-2, warmup_steps=2, max_steps=40, spike_grad_zscore=4.0)
+    cfg = TrainConfig(
+        data_dir="unused", learning_rate=1e-2, warmup_steps=2, max_steps=40, spike_grad_zscore=4.0, optimizer=name
+    )
     optimizer, g = make_optimizer(model, cfg, "cpu"), SpikeGuard(cfg, CPU)
     scheduler = make_scheduler(optimizer, cfg)
 
@@ -110,19 +119,20 @@ def test_a_skipped_step_changes_no_weight_or_optimizer_state_while_the_schedule_
         return bool(skip)
 
     assert not any(step(1e-2) for _ in range(16))
-    params, state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    params, state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer_tensors(optimizer.state_dict()))
+    assert len(state) == (3 * 16 if name == "adamw" else 3 * 12 + 4)  # 16 tensors; Muon: a buffer for 4 matrices
     lr = scheduler.get_last_lr()
     assert step(10.0), "a gradient 1000x the usual is an outlier"
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in params.items())
-    after = optimizer.state_dict()
-    assert after["state"].keys() == state["state"].keys()
-    for i, saved in state["state"].items():
-        for name, value in saved.items():
-            assert torch.equal(value, after["state"][i][name]), (i, name)
+    after = optimizer_tensors(optimizer.state_dict())
+    assert after.keys() == state.keys()
+    assert all(torch.equal(value, after[key]) for key, value in state.items())
     assert scheduler.last_epoch == 17 and scheduler.get_last_lr() != lr
     assert not step(1e-2)
     assert all(not torch.equal(v, model.state_dict()[k]) for k, v in params.items())
-    assert all(s["step"].item() == 17 for s in optimizer.state_dict()["state"].values())
+    after = optimizer_tensors(optimizer.state_dict())
+    assert all(v.item() == 17 for k, v in after.items() if k.endswith("/step"))
+    assert all(not torch.equal(value, after[key]) for key, value in state.items() if not key.endswith("/step"))
 
 
 def test_guard_settings_are_validated() -> None:
@@ -197,6 +207,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]
         "clean_off": lambda: train(1, clean, root / "clean_off"),
         "clean_on": lambda: train(1, clean, root / "clean_on", *GUARD),
         "w1": lambda: train(1, planted, root / "w1", *GUARD, "--save_every", "1"),
+        "muon": lambda: train(1, planted, root / "muon", *GUARD, "--optimizer", "muon", "--save_every", "1"),
         "w2": lambda: train(2, planted, root / "w2", *GUARD),
         "resumed": lambda: stopped_and_resumed(planted, root / "resumed"),
     }
@@ -255,6 +266,21 @@ def test_planted_outlier_batch_is_skipped_and_changes_nothing(runs: dict) -> Non
     after = checkpoint(run, PLANTED + 1)
     moved = load_file(str(after / "model.safetensors"))
     assert all(not torch.equal(moved[k], b[k]) for k in b), "the next step is applied again"
+
+
+@pytest.mark.slow
+def test_muon_skips_the_planted_step_and_changes_nothing(runs: dict) -> None:
+    """With Muon + AdamW the planted step is skipped too: weights, AdamW's moments and Muon's momentum buffers in its
+    checkpoint are those of the step before, bit for bit, and the next step moves every weight again."""
+    run = runs["root"] / "muon"
+    assert skipped(run) == [PLANTED]
+    before, at, after = (checkpoint(run, step) for step in (PLANTED - 1, PLANTED, PLANTED + 1))
+    a, b, c = (load_file(str(ckpt / "model.safetensors")) for ckpt in (before, at, after))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = (optimizer_tensors(torch.load(ckpt / "optimizer.bin", weights_only=True)) for ckpt in (before, at))
+    assert sa.keys() == sb.keys() and sum(k.startswith("muon/") for k in sa) == 2 * 4  # 2 blocks x 4 matrices
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all(not torch.equal(c[k], b[k]) for k in b), "the next step is applied again"
 
 
 @pytest.mark.slow

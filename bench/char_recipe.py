@@ -1,0 +1,207 @@
+"""nanoGPT's CPU recipe for character-level Shakespeare, side by side: nanoGPT, accel_gpt + AdamW, accel_gpt + Muon.
+
+The recipe is nanoGPT's README's CPU run (4 layers x 4 heads x 128 wide, no biases, no dropout, context 64, batch 12,
+2,000 iterations, lr 1e-3 -> 1e-4 after 100 warm-up iterations, beta2 0.99); accel_gpt runs it as the
+`shakespeare-char-cpu` preset. nanoGPT is the peer's unmodified `train.py`/`model.py`/`configurator.py` from
+`--nanogpt DIR`, copied into a scratch folder (it reads `data/<dataset>/` and writes `out/` relative to its working
+directory).
+
+Same data, one split: nanoGPT holds out the LAST 10% of the characters, accel_gpt's `shakespeare-char` prepare preset
+the FIRST `val_tokens` (111,540 = 10%). The benchmark rotates the text (its last 111,540 characters first) and
+prepares that with the preset, so both sides train on the same 1,003,854 characters and hold out the same 111,540,
+with the same 65-character vocabulary; nanoGPT gets those very ids as its `train.bin`/`val.bin` (+ `meta.pkl`).
+
+Every side is one process on one thread (OMP/MKL_NUM_THREADS=1), run one at a time, with the same glibc malloc
+settings (accel_gpt's own CPU setting, given to nanoGPT too). Cost is the child's CPU seconds (user + sys), which
+a shared machine disturbs far less than wall time. Quality is one scorer for every model: accel_gpt's GPT (nanoGPT's
+checkpoint keys are the same names) over every non-overlapping 64-character window of the held-out split, instead of
+nanoGPT's estimate from 20 random batches. Muon saves a checkpoint every `--every` steps; the first one at or below
+nanoGPT's final loss gives the steps to reach it, and the CPU time to reach it is the Muon run's CPU seconds pro-rated
+to that step (`--muon_steps` shorter than 2,000 keeps the 2,000-step schedule and stops early: same trajectory).
+
+    python bench/char_recipe.py --nanogpt PEERS/nanogpt --text tinyshakespeare.txt [--work runs/char_recipe]
+
+Results: one JSON line per side in WORK/results.jsonl as each finishes, and a table at the end.
+"""
+
+# ruff: noqa: E402 (the repo root goes on sys.path before accel_gpt is imported)
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from accel_gpt.checkpoint import complete_checkpoints
+from accel_gpt.data import shards
+from accel_gpt.model import GPT, GPTConfig
+from accel_gpt.weights import load_model
+from bench.benchlib import REPO, child_env
+from bench.peers import CPU_MALLOC
+
+VAL_CHARS = 111_540  # the shakespeare-char preset's val_tokens: nanoGPT's last 10% of 1,115,394 characters
+NANOGPT_FLAGS = (  # nanoGPT's README CPU command, with config/train_shakespeare_char.py's settings spelled out
+    "--dataset=accel --device=cpu --compile=False --eval_iters=20 --log_interval=10 --block_size=64 --batch_size=12 "
+    "--n_layer=4 --n_head=4 --n_embd=128 --lr_decay_iters=2000 --dropout=0.0 --bias=False --learning_rate=1e-3 "
+    "--min_lr=1e-4 --warmup_iters=100 --beta2=0.99 --gradient_accumulation_steps=1 --eval_interval=250 "
+    "--always_save_checkpoint=True --wandb_log=False --out_dir=out"
+).split()
+
+
+def prepare(text: Path, work: Path) -> Path:
+    """The text rotated so that nanoGPT's held-out tail comes first, prepared with the shakespeare-char preset."""
+    data_dir = work / "data"
+    if (data_dir / shards.MANIFEST).is_file():
+        return data_dir
+    content = text.read_text(encoding="utf-8")
+    rotated = work / "rotated.txt"
+    rotated.write_text(content[-VAL_CHARS:] + content[:-VAL_CHARS], encoding="utf-8")
+    cmd = ["run.py", "prepare", "--config", "shakespeare-char", "--dataset", str(rotated), "--out_dir", str(data_dir)]
+    subprocess.run([sys.executable, *cmd], cwd=REPO, env=child_env(1), check=True, stdout=subprocess.DEVNULL)
+    return data_dir
+
+
+def split_tokens(data_dir: Path, split: str) -> np.ndarray:
+    manifest = shards.read_manifest(data_dir)
+    return np.concatenate(shards.open_split(data_dir, manifest, split))
+
+
+def nanogpt_folder(nanogpt: Path, data_dir: Path, work: Path) -> Path:
+    """A scratch copy of nanoGPT with our ids as its `accel` dataset."""
+    folder = work / "nanogpt"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("train.py", "model.py", "configurator.py"):
+        shutil.copy(nanogpt / name, folder / name)
+    dataset = folder / "data" / "accel"
+    dataset.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        split_tokens(data_dir, split).astype(np.uint16).tofile(dataset / f"{split}.bin")
+    manifest = shards.read_manifest(data_dir)
+    with open(dataset / "meta.pkl", "wb") as f:  # nanoGPT takes vocab_size from it (else GPT-2's 50,304)
+        pickle.dump({"vocab_size": manifest["vocab_size"]}, f)
+    return folder
+
+
+def run(cmd: list[str], cwd: Path, log: Path) -> float:
+    """Run `cmd` (one thread, the same malloc settings for every side); its CPU seconds (user + sys)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(log, "w") as out:
+        done = subprocess.run(cmd, cwd=cwd, env={**child_env(1), **CPU_MALLOC}, stdout=out, stderr=subprocess.STDOUT)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode:
+        sys.exit(f"{cmd[1]} failed (exit {done.returncode}); see {log}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, val: np.ndarray, seq_len: int, batch: int = 64) -> float:
+    """Mean cross-entropy (nats per character) over every non-overlapping window of the held-out split."""
+    model.eval()
+    n = (len(val) - 1) // seq_len
+    x_all = torch.from_numpy(val[: n * seq_len].astype(np.int64)).view(n, seq_len)
+    y_all = torch.from_numpy(val[1 : n * seq_len + 1].astype(np.int64)).view(n, seq_len)
+    total = 0.0
+    for i in range(0, n, batch):
+        logits, _ = model(x_all[i : i + batch])
+        total += F.cross_entropy(logits.flatten(0, 1), y_all[i : i + batch].flatten(), reduction="sum").item()
+    return total / (n * seq_len)
+
+
+def nanogpt_model(checkpoint: Path) -> GPT:
+    """nanoGPT's checkpoint in accel_gpt's GPT: the same parameter names (a compiled model's prefix stripped)."""
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=False)  # nanoGPT pickles its config dicts
+    args = ckpt["model_args"]
+    cfg = GPTConfig(args["n_layer"], args["n_head"], args["n_embd"], args["block_size"], args["vocab_size"])
+    model = GPT(GPTConfig(**{**cfg.to_dict(), "bias": args["bias"]}))
+    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items() if not k.endswith(".attn.bias")}
+    model.load_state_dict(state)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nanogpt", type=Path, required=True, help="the peer's folder: train.py, model.py, ...")
+    parser.add_argument("--text", type=Path, required=True, help="tiny Shakespeare's input.txt")
+    parser.add_argument("--work", type=Path, default=REPO / "runs" / "char_recipe")
+    parser.add_argument("--steps", type=int, default=2000, help="nanoGPT's and AdamW's iterations (the recipe's)")
+    parser.add_argument("--muon_steps", type=int, default=2000, help="Muon stops here (on the 2,000-step schedule)")
+    parser.add_argument("--every", type=int, default=50, help="Muon's checkpoint interval: the crossing's resolution")
+    parser.add_argument("--sides", default="nanogpt,adamw,muon")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    data_dir = prepare(args.text, args.work)
+    val = split_tokens(data_dir, "val")
+    results_file = args.work / "results.jsonl"
+    results = {}
+    if results_file.is_file():  # sides from an earlier call (e.g. the peer, measured once)
+        results = {r["side"]: r for r in map(json.loads, results_file.read_text().splitlines())}
+
+    def record(row: dict) -> None:
+        results[row["side"]] = row
+        with open(results_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    sides = args.sides.split(",")
+    if "nanogpt" in sides:
+        folder = nanogpt_folder(args.nanogpt, data_dir, args.work)
+        cpu = run([sys.executable, "train.py", *NANOGPT_FLAGS, f"--max_iters={args.steps}"], folder, folder / "log")
+        loss = score(nanogpt_model(folder / "out" / "ckpt.pt"), val, 64)
+        record({"side": "nanogpt", "steps": args.steps, "cpu_s": round(cpu, 1), "val_loss": round(loss, 4)})
+    train = [sys.executable, "run.py", "train", "--config", "shakespeare-char-cpu", "--data_dir", str(data_dir)]
+    train += ["--schedule_steps", str(args.steps), "--overwrite", "true"]
+    if "adamw" in sides:
+        out = args.work / "adamw"
+        cpu = run([*train, "--out_dir", str(out), "--max_steps", str(args.steps)], REPO, args.work / "adamw.log")
+        loss = score(load_model(out)[0], val, 64)
+        record({"side": "adamw", "steps": args.steps, "cpu_s": round(cpu, 1), "val_loss": round(loss, 4)})
+    if "muon" in sides:
+        out = args.work / "muon"
+        flags = ["--optimizer", "muon", "--out_dir", str(out), "--max_steps", str(args.muon_steps)]
+        flags += ["--save_every", str(args.every), "--keep_checkpoints", "0"]
+        cpu = run([*train, *flags], REPO, args.work / "muon.log")
+        saved = complete_checkpoints(out)
+        curve = [(int(p.name.removeprefix("step_")), score(load_model(p)[0], val, 64)) for p in saved]
+        target = results.get("nanogpt", {}).get("val_loss")
+        reached = next((step for step, loss in curve if target is not None and loss <= target), None)
+        row = {"side": "muon", "steps": args.muon_steps, "cpu_s": round(cpu, 1), "val_loss": round(curve[-1][1], 4)}
+        row["curve"] = [[step, round(loss, 4)] for step, loss in curve]
+        row["target"], row["steps_to_target"] = target, reached
+        row["cpu_s_to_target"] = round(cpu * reached / args.muon_steps, 1) if reached else None
+        record(row)
+    print_table(results)
+
+
+def print_table(results: dict[str, dict]) -> None:
+    peer = results.get("nanogpt")
+    print(f"\n{'side':8} {'steps':>6} {'CPU s':>8} {'val loss':>9} {'CPU / nanoGPT':>14}")
+    for side, row in results.items():
+        ratio = f"{row['cpu_s'] / peer['cpu_s']:.3f}" if peer else "-"
+        print(f"{side:8} {row['steps']:>6} {row['cpu_s']:>8.1f} {row['val_loss']:>9.4f} {ratio:>14}")
+    muon = results.get("muon")
+    if muon and peer:
+        if muon["steps_to_target"]:
+            share = muon["cpu_s_to_target"] / peer["cpu_s"]
+            print(
+                f"muon reached nanoGPT's {peer['val_loss']:.4f} at step {muon['steps_to_target']} "
+                f"in {muon['cpu_s_to_target']:.1f} CPU s = {share:.3f}x nanoGPT's CPU time"
+            )
+        else:
+            print(f"muon did not reach nanoGPT's {peer['val_loss']:.4f} within {muon['steps']} steps")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    main()
