@@ -221,6 +221,9 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
         num_workers=cfg.num_workers,
         pin_memory=accelerator.device.type == "cuda",
         persistent_workers=cfg.num_workers > 0,
+        # Its own generator: each new iterator draws a seed from it, not from the global RNG, which dropout's masks
+        # come from and a checkpoint restores (a resume creates the iterator after the restore, a run from 0 before).
+        generator=torch.Generator(),
     )
     tokenizer = shards.tokenizer(train_ds.manifest)
     model = build_model(cfg, tokenizer)

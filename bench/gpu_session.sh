@@ -10,8 +10,8 @@
 #   DRY_RUN=1 OUT=/tmp/dry bash bench/gpu_session.sh 1       # rehearsal on a CPU: the same commands at tiny sizes
 #
 #   1  GPT-2 124M against llm.c's PyTorch trainer and nanoGPT (bench/peers.py; PEERS is a folder holding them,
-#      not part of this repo), same tokens, in the same call as two A/Bs of accel_gpt: the chunked LM-head loss
-#      and the cuDNN attention kernel
+#      not part of this repo), same tokens, in the same call as three A/Bs of accel_gpt: the chunked LM-head loss,
+#      Muon + AdamW (gpt2-124m-muon's optimizer: its cost per step) and the cuDNN attention kernel
 #   2  HellaSwag over all 10,042 rows (124M shapes, bf16); the largest micro-batch for 124M, 350M and 774M
 #   3  end to end in bf16: train 124M, SIGKILL it after its first checkpoint, resume to the end; eval, sample, export;
 #      then FSDP (fsdp.yaml, one process): a gpt2-medium-wide model stopped by SIGTERM after its first checkpoint
@@ -50,7 +50,7 @@ launch=("$PY" -m accelerate.commands.launch --config_file accelerate_configs/sin
 
 if [ -n "${DRY_RUN:-}" ]; then  # the same commands at sizes a CPU runs in seconds
     peers=(--steps 3 --warmup 1)
-    variants=(--variant chunk='--loss_chunk 256')
+    variants=(--variant chunk='--loss_chunk 256' --variant muon='--optimizer muon')
     tiny=(--flags "--n_layer 1 --n_head 1 --n_embd 16 --seq_len 16")
     model=(--model tiny-cpu)
     e2e=(--n_layer 2 --n_head 4 --n_embd 64 --seq_len 64 --micro_batch_size 4 --total_batch_size 256 --compile false
@@ -59,7 +59,9 @@ if [ -n "${DRY_RUN:-}" ]; then  # the same commands at sizes a CPU runs in secon
     limit=(--limit 20)
 else
     tiny=() model=() e2e=() limit=() peers=(--steps 20 --warmup 6) fsdp_e2e=()
-    variants=(--variant chunk='--loss_chunk 16384' --variant cudnn='--attention_backend cudnn')
+    # muon: the gpt2-124m-muon preset's optimizer (its step time; the preset's loss is issue work for a longer lease)
+    variants=(--variant chunk='--loss_chunk 16384' --variant muon='--optimizer muon --muon_weight_decay 0.01'
+        --variant cudnn='--attention_backend cudnn')
 fi
 
 step() {  # step SECONDS COMMAND...: one command under its own limit, its output appended to the log as it comes
@@ -78,7 +80,8 @@ print('torch', torch.__version__, 'accelerate', accelerate.__version__, 'transfo
 print('datasets importable:', importlib.util.find_spec('datasets') is not None)
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
     data=$("$PY" bench/benchlib.py --text "$text")  # GPT-2 tokens written with tiktoken alone (no `datasets`)
-    # five runs of about 100 s each (start, compile, 20 steps of 524,288 tokens), each appended to peers.jsonl
+    # six runs of about 100 s each (start, compile, 20 steps of 524,288 tokens), each appended to peers.jsonl as it
+    # ends: past the limit only the last, cudnn, is lost
     step 520 "$PY" bench/peers.py --peers .carry/peers --data_dir "$data" --out "$out/peers.jsonl" --timeout 100 \
         "${peers[@]}" "${variants[@]}"
     ;;

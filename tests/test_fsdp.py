@@ -215,3 +215,17 @@ def test_fsdp_launch_without_gpus_is_refused(tmp_path: Path, shakespeare_shards:
     assert proc.returncode != 0
     assert len(errors) == 1 and "asks for FSDP" in errors[0] and "no GPU" in errors[0], proc.stderr[-3000:]
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_muon_under_fsdp_is_refused(tmp_path: Path, shakespeare_shards: Path) -> None:
+    """torch.optim.Muon would orthogonalize each rank's shard of a matrix: an FSDP launch with --optimizer muon is
+    refused in one line on every rank, before anything is written."""
+    out, control = tmp_path / "run", tmp_path / "ctl"
+    control.mkdir()
+    args = [*FLAGS, "--data_dir", str(shakespeare_shards), "--out_dir", str(out), "--optimizer", "muon"]
+    proc = run_cmd(fsdp_launch("tests/workers/fsdp_on_cpu.py", str(control), "train", *args), check=False)
+    errors = {line for line in proc.stderr.splitlines() if line.startswith("error: ")}
+    assert proc.returncode != 0 and len(list(control.glob("rank_*.json"))) == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and "optimizer=muon cannot train under FSDP" in errors.pop(), proc.stderr[-3000:]
+    assert not out.exists()
