@@ -239,7 +239,7 @@ class TrainConfig(Config):
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
     optimizer: OptimizerName = option("adamw", "adamw | muon (Muon on the blocks' weight matrices, AdamW on the rest)")
-    muon_lr: float = option(0.02, "muon: peak learning rate of the block matrices; the schedule scales it too")
+    muon_lr: float = option(0.04, "muon: peak learning rate of the block matrices; the schedule scales it too")
     muon_momentum: float = option(0.95, "muon: Nesterov momentum")
     muon_weight_decay: float = option(0.0, "muon: decoupled weight decay of the block matrices")
     muon_adjust_lr_fn: MuonLRAdjust = option(

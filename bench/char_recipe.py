@@ -15,13 +15,19 @@ Every side is one process on one thread (OMP/MKL_NUM_THREADS=1), run one at a ti
 settings (accel_gpt's own CPU setting, given to nanoGPT too). Cost is the child's CPU seconds (user + sys), which
 a shared machine disturbs far less than wall time. Quality is one scorer for every model: accel_gpt's GPT (nanoGPT's
 checkpoint keys are the same names) over every non-overlapping 64-character window of the held-out split, instead of
-nanoGPT's estimate from 20 random batches. Muon saves a checkpoint every `--every` steps; the first one at or below
-nanoGPT's final loss gives the steps to reach it, and the CPU time to reach it is the Muon run's CPU seconds pro-rated
-to that step (`--muon_steps` shorter than 2,000 keeps the 2,000-step schedule and stops early: same trajectory).
+nanoGPT's estimate from 20 random batches. Muon trains `--muon_steps` steps (default 1,000) on a schedule of that
+length (the recipe's warm-up, then the cosine ending at its last step; `--muon_schedule recipe` keeps the 2,000-step
+schedule and stops early instead), saving a checkpoint every `--every` steps; the first one at or below nanoGPT's
+final loss gives the steps to reach it, and the CPU time to reach it is the Muon run's CPU seconds pro-rated to
+that step.
 
-    python bench/char_recipe.py --nanogpt PEERS/nanogpt --text tinyshakespeare.txt [--work runs/char_recipe]
+    python bench/char_recipe.py --nanogpt PEERS/nanogpt --text tinyshakespeare.txt [--work runs/char_recipe] \
+        [--rounds 3] [--muon_steps 1000] [--sides nanogpt,adamw,muon]
 
-Results: one JSON line per side in WORK/results.jsonl as each finishes, and a table at the end.
+Results: one JSON line per run in WORK/results.jsonl as each finishes (a later call adds to it: the table takes
+every run in the file), and a table at the end: per side the median CPU seconds of its runs. `--rounds N` runs
+nanoGPT and AdamW N times each, alternating which goes first, since the same command's CPU time drifts between
+calls on a shared machine.
 """
 
 # ruff: noqa: E402 (the repo root goes on sys.path before accel_gpt is imported)
@@ -33,6 +39,7 @@ import os
 import pickle
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -135,70 +142,89 @@ def main() -> None:
     parser.add_argument("--text", type=Path, required=True, help="tiny Shakespeare's input.txt")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "char_recipe")
     parser.add_argument("--steps", type=int, default=2000, help="nanoGPT's and AdamW's iterations (the recipe's)")
-    parser.add_argument("--muon_steps", type=int, default=2000, help="Muon stops here (on the 2,000-step schedule)")
+    parser.add_argument("--muon_steps", type=int, default=1000, help="Muon's steps")
+    parser.add_argument(
+        "--muon_schedule", choices=["own", "recipe"], default="own",
+        help="own: the schedule ends at muon_steps; recipe: the recipe's 2,000-step schedule, stopped at muon_steps",
+    )  # fmt: skip
     parser.add_argument("--every", type=int, default=50, help="Muon's checkpoint interval: the crossing's resolution")
+    parser.add_argument("--rounds", type=int, default=1, help="nanoGPT and AdamW runs each, alternating A B, B A, ...")
     parser.add_argument("--sides", default="nanogpt,adamw,muon")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     data_dir = prepare(args.text, args.work)
     val = split_tokens(data_dir, "val")
     results_file = args.work / "results.jsonl"
-    results = {}
-    if results_file.is_file():  # sides from an earlier call (e.g. the peer, measured once)
-        results = {r["side"]: r for r in map(json.loads, results_file.read_text().splitlines())}
+    rows = [json.loads(line) for line in results_file.read_text().splitlines()] if results_file.is_file() else []
 
     def record(row: dict) -> None:
-        results[row["side"]] = row
+        rows.append(row)
         with open(results_file, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
 
-    sides = args.sides.split(",")
-    if "nanogpt" in sides:
+    train = [sys.executable, "run.py", "train", "--config", "shakespeare-char-cpu", "--data_dir", str(data_dir)]
+    train += ["--overwrite", "true"]
+
+    def nanogpt() -> None:
         folder = nanogpt_folder(args.nanogpt, data_dir, args.work)
         cpu = run([sys.executable, "train.py", *NANOGPT_FLAGS, f"--max_iters={args.steps}"], folder, folder / "log")
         loss = score(nanogpt_model(folder / "out" / "ckpt.pt"), val, 64)
         record({"side": "nanogpt", "steps": args.steps, "cpu_s": round(cpu, 1), "val_loss": round(loss, 4)})
-    train = [sys.executable, "run.py", "train", "--config", "shakespeare-char-cpu", "--data_dir", str(data_dir)]
-    train += ["--schedule_steps", str(args.steps), "--overwrite", "true"]
-    if "adamw" in sides:
+
+    def adamw() -> None:
         out = args.work / "adamw"
         cpu = run([*train, "--out_dir", str(out), "--max_steps", str(args.steps)], REPO, args.work / "adamw.log")
         loss = score(load_model(out)[0], val, 64)
         record({"side": "adamw", "steps": args.steps, "cpu_s": round(cpu, 1), "val_loss": round(loss, 4)})
-    if "muon" in sides:
+
+    pair = [side for name, side in (("nanogpt", nanogpt), ("adamw", adamw)) if name in args.sides.split(",")]
+    for i in range(args.rounds):
+        for side in pair if i % 2 == 0 else pair[::-1]:
+            side()
+    if "muon" in args.sides.split(","):
         out = args.work / "muon"
-        flags = ["--optimizer", "muon", "--out_dir", str(out), "--max_steps", str(args.muon_steps)]
+        flags = ["--optimizer", "muon", "--out_dir", str(out), "--max_steps", str(args.muon_steps), "--schedule_steps"]
+        flags.append(str(args.muon_steps if args.muon_schedule == "own" else args.steps))
         flags += ["--save_every", str(args.every), "--keep_checkpoints", "0"]
         cpu = run([*train, *flags], REPO, args.work / "muon.log")
         saved = complete_checkpoints(out)
         curve = [(int(p.name.removeprefix("step_")), score(load_model(p)[0], val, 64)) for p in saved]
-        target = results.get("nanogpt", {}).get("val_loss")
+        target = next((r["val_loss"] for r in rows if r["side"] == "nanogpt"), None)
         reached = next((step for step, loss in curve if target is not None and loss <= target), None)
         row = {"side": "muon", "steps": args.muon_steps, "cpu_s": round(cpu, 1), "val_loss": round(curve[-1][1], 4)}
         row["curve"] = [[step, round(loss, 4)] for step, loss in curve]
         row["target"], row["steps_to_target"] = target, reached
         row["cpu_s_to_target"] = round(cpu * reached / args.muon_steps, 1) if reached else None
         record(row)
-    print_table(results)
+    print_table(rows)
 
 
-def print_table(results: dict[str, dict]) -> None:
-    peer = results.get("nanogpt")
-    print(f"\n{'side':8} {'steps':>6} {'CPU s':>8} {'val loss':>9} {'CPU / nanoGPT':>14}")
-    for side, row in results.items():
-        ratio = f"{row['cpu_s'] / peer['cpu_s']:.3f}" if peer else "-"
-        print(f"{side:8} {row['steps']:>6} {row['cpu_s']:>8.1f} {row['val_loss']:>9.4f} {ratio:>14}")
-    muon = results.get("muon")
+def print_table(rows: list[dict]) -> None:
+    """Per side: its runs' median CPU seconds (the losses are deterministic), and the ratio to nanoGPT's."""
+    sides = {}
+    for row in rows:
+        sides.setdefault(row["side"], []).append(row)
+    cpu = {side: statistics.median(r["cpu_s"] for r in runs) for side, runs in sides.items()}
+    peer = cpu.get("nanogpt")
+    header = f"{'side':8} {'runs':>4} {'steps':>6} {'CPU s':>8} {'CPU s/step':>10} {'val loss':>9}"
+    print(f"\n{header} {'CPU / nanoGPT':>14}")
+    for side, runs in sides.items():
+        last = runs[-1]
+        ratio = f"{cpu[side] / peer:.3f}" if peer else "-"
+        per_step = cpu[side] / last["steps"]
+        line = f"{side:8} {len(runs):>4} {last['steps']:>6} {cpu[side]:>8.1f} {per_step:>10.3f}"
+        line += f" {last['val_loss']:>9.4f}"
+        print(f"{line} {ratio:>14}")
+    muon = sides.get("muon", [None])[-1]
     if muon and peer:
         if muon["steps_to_target"]:
-            share = muon["cpu_s_to_target"] / peer["cpu_s"]
             print(
-                f"muon reached nanoGPT's {peer['val_loss']:.4f} at step {muon['steps_to_target']} "
-                f"in {muon['cpu_s_to_target']:.1f} CPU s = {share:.3f}x nanoGPT's CPU time"
+                f"muon reached nanoGPT's {muon['target']:.4f} at step {muon['steps_to_target']} "
+                f"in {muon['cpu_s_to_target']:.1f} CPU s = {muon['cpu_s_to_target'] / peer:.3f}x nanoGPT's CPU time"
             )
         else:
-            print(f"muon did not reach nanoGPT's {peer['val_loss']:.4f} within {muon['steps']} steps")
+            print(f"muon did not reach nanoGPT's {muon['target']} within {muon['steps']} steps")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ def test_every_preset_loads(cls: type[Config], preset: str) -> None:
 
 def test_presets_are_found_per_command() -> None:
     assert preset_names(TrainConfig) == [
-        "gpt2-124m", "gpt2-124m-muon", "gpt2-large", "gpt2-medium", "shakespeare-char", "shakespeare-char-cpu", "tiny-cpu"
+        "gpt2-124m", "gpt2-124m-muon", "gpt2-large", "gpt2-medium",
+        "shakespeare-char", "shakespeare-char-cpu", "tiny-cpu",
     ]  # fmt: skip
     assert preset_names(PrepareConfig) == ["fineweb-edu-10B", "shakespeare-char", "tinyshakespeare"]
     assert presets_dir(TrainConfig) == PRESETS_DIR and presets_dir(PrepareConfig) == PRESETS_DIR / "prepare"
