@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import shutil
 import statistics
@@ -45,7 +46,8 @@ def bench_data(text: Path = TEXT, tokenizer: str = "gpt2") -> Path:
 
     text = Path(text)
     data_dir = RUNS / "data" / f"{text.stem}-{text.stat().st_size}-{tokenizer}"
-    if (data_dir / "manifest.json").is_file():
+    manifest = data_dir / "manifest.json"
+    if manifest.is_file() and "bytes" in json.loads(manifest.read_text()):  # written before byte counts: again
         return data_dir
     content = text.read_text(encoding="utf-8")
     if tokenizer == "char":
@@ -62,10 +64,11 @@ def bench_data(text: Path = TEXT, tokenizer: str = "gpt2") -> Path:
     cut = len(tokens) * 9 // 10
     splits = {}
     for split, part in (("train", tokens[:cut]), ("val", tokens[cut:])):
-        writer = ShardWriter(data_dir, split, 0, tok.dtype)
+        writer = ShardWriter(data_dir, split, 0, tok.dtype, tok.token_bytes())  # byte counts: val_bpb in the runs
         writer.write(part)
         splits[split] = [writer.close()]
-    write_manifest(data_dir, {**tokenizer_fields(tok), "splits": splits})
+    nbytes = {split: entries[0]["bytes"] for split, entries in splits.items()}
+    write_manifest(data_dir, {**tokenizer_fields(tok), "splits": splits, "bytes": nbytes})
     return data_dir
 
 
