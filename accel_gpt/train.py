@@ -264,11 +264,15 @@ def check_token_ids(data_dirs: list[str], manifests: list[dict[str, Any]], vocab
 
 def describe(cfg: TrainConfig, accelerator: Accelerator, run: Run) -> str:
     n_params = sum(p.numel() for p in accelerator.unwrap_model(run.model).parameters())
+    optimizer = "Muon + AdamW" if cfg.optimizer == "muon" else "AdamW"
+    if cfg.dropout:
+        optimizer += f", dropout {cfg.dropout}"
     return (
         f"{n_params / 1e6:.2f}M parameters | {accelerator.num_processes} process(es) on {accelerator.device.type} "
         f"({accelerator.distributed_type}, mixed precision {accelerator.mixed_precision}) | "
         f"global batch {cfg.total_batch_size:,} tokens = {accelerator.num_processes} x "
-        f"{accelerator.gradient_accumulation_steps} micro-steps x {cfg.micro_batch_size} x {cfg.seq_len}"
+        f"{accelerator.gradient_accumulation_steps} micro-steps x {cfg.micro_batch_size} x {cfg.seq_len} | "
+        f"{optimizer}"
     )
 
 
