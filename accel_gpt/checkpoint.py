@@ -164,7 +164,7 @@ class Checkpointer:
         self.accelerator, self.card, self.state, self.model = accelerator, card, state, model
         self.fsdp = accelerator.distributed_type == DistributedType.FSDP
         self.out_dir, self.every = Path(cfg.out_dir), cfg.save_every
-        self.keep, self.keep_best = cfg.keep_checkpoints, cfg.keep_best
+        self.keep, self.keep_best = cfg.keep_checkpoints, cfg.keep_best or cfg.final_weights == "best"
         self.rollback_from: int | None = None  # the step of a checkpoint resumed by path: a new line starts there
         accelerator.register_for_checkpointing(state)
 
@@ -348,14 +348,22 @@ def prune(out_dir: str | Path, keep: int, keep_best: bool) -> None:
     one whose own weights had the lowest validation loss (a marker without a finite one is unscored)."""
     done = complete_checkpoints(out_dir)
     keepers = set(done[-keep:]) if keep > 0 else set(done)
-    if keep_best:
-        scored = [(_val_loss(p), p) for p in done]
-        scored = [(v, p) for v, p in scored if v is not None]
-        if scored:
-            keepers.add(min(scored)[1])
+    best = best_checkpoint(out_dir) if keep_best else None
+    if best is not None:
+        keepers.add(best[0])
     for p in done:
         if p not in keepers:
             _remove(p)
+
+
+def best_checkpoint(out_dir: str | Path) -> tuple[Path, float] | None:
+    """The complete checkpoint whose own weights had the lowest validation loss, and that loss (the earliest of
+    equals); None when no checkpoint was evaluated at its step."""
+    scored = [(loss, p) for p in complete_checkpoints(out_dir) if (loss := _val_loss(p)) is not None]
+    if not scored:
+        return None
+    loss, path = min(scored, key=lambda pair: pair[0])
+    return path, loss
 
 
 def _val_loss(checkpoint: Path) -> float | None:

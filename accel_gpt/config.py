@@ -40,6 +40,9 @@ class Config:
     """Base of every command's settings: typing of values, validation, loading from YAML/presets/flags."""
 
     command: ClassVar[str]
+    # Pairs of fields that set the same thing (a new name, then the former one): a layer that gives one of them
+    # replaces what an earlier layer gave for either.
+    same_setting: ClassVar[tuple[tuple[str, str], ...]] = ()
     config: str = option("", "a YAML file of these settings, or the name of a preset")
 
     def __post_init__(self) -> None:
@@ -60,6 +63,9 @@ class Config:
         values = preset_values(cls, config) if config else {}
         overrides = dict(overrides or {})
         check_keys(cls, overrides, "the command line")
+        for pair in cls.same_setting:
+            if any(name in overrides for name in pair):
+                values = {k: v for k, v in values.items() if k not in pair}
         return cls(**{**values, **overrides, "config": config})
 
 
@@ -209,6 +215,7 @@ MuonLRAdjust = Literal["original", "match_rms_adamw"]
 @dataclass
 class TrainConfig(Config):
     command: ClassVar[str] = "train"
+    same_setting: ClassVar[tuple[tuple[str, str], ...]] = (("eval_windows", "eval_steps"),)
     # data and outputs
     data_dir: str = option("", "folder(s) written by `run.py prepare`; several, comma-separated, make a mixture")
     out_dir: str = option("runs/gpt2", "run directory: config.yaml, metrics.jsonl, checkpoints/, final weights")
@@ -252,7 +259,10 @@ class TrainConfig(Config):
     spike_window: int = option(128, "applied steps the spike guard's mean and std cover (it judges once it holds 16)")
     # evaluation and sampling (0 turns a periodic action off)
     eval_every: int = option(250, "steps between validation-loss evaluations (0 = never; also on the last step)")
-    eval_steps: int = option(20, "validation batches of micro_batch_size windows per evaluation")
+    eval_windows: int | None = option(
+        None, "validation windows of seq_len tokens: one fixed set for any batch shape or world size (unset: 160)"
+    )
+    eval_steps: int | None = option(None, "the val set's former size: eval_windows = eval_steps x micro_batch_size")
     hellaswag_every: int = option(0, "steps between HellaSwag evaluations (0 = never)")
     hellaswag: str = option("", "HellaSwag source for in-training evaluation: a jsonl path/URL or hub id")
     hellaswag_limit: int = option(0, "score only the first N HellaSwag examples (0 = all)")
@@ -261,7 +271,10 @@ class TrainConfig(Config):
     # checkpoints
     save_every: int = option(1000, "steps between checkpoints (0 = none); also at the end and on SIGTERM/SIGINT")
     keep_checkpoints: int = option(2, "keep the newest N checkpoints (0 = all)")
-    keep_best: bool = option(False, "also keep the checkpoint with the lowest validation loss")
+    keep_best: bool = option(False, "also keep the checkpoint with the lowest validation loss (needs eval_every)")
+    final_weights: Literal["last", "best"] = option(
+        "last", "the run dir's model.safetensors: the last step's weights, or the best evaluated checkpoint's"
+    )
     resume: str = option("none", "none | auto (the newest complete checkpoint in out_dir) | a checkpoint folder")
     init_from: str = option(
         "none", "none | weights to start a new run from: an accel_gpt run dir or checkpoint, or a transformers GPT-2"
@@ -281,6 +294,9 @@ class TrainConfig(Config):
         at_least(self, 1, "n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "total_batch_size")
         at_least(self, 1, "micro_batch_size", "max_steps", "log_every")
         at_least(self, 0, "warmup_steps", "eval_every", "eval_steps", "hellaswag_every", "hellaswag_limit")
+        windows, steps, batch = self.eval_windows, self.eval_steps, self.micro_batch_size
+        self.eval_windows, self.eval_steps = resolve_eval_windows(windows, steps, batch)
+        at_least(self, 0, "eval_windows")
         at_least(self, 0, "sample_tokens", "save_every", "keep_checkpoints", "num_workers", "weight_decay")
         at_least(self, 0, "grad_clip", "loss_chunk", "schedule_steps", "spike_loss_zscore", "spike_grad_zscore")
         at_least(self, SPIKE_MIN_HISTORY, "spike_window")
@@ -310,8 +326,19 @@ class TrainConfig(Config):
                 f"total_batch_size={self.total_batch_size} is not a multiple of "
                 f"micro_batch_size*seq_len={self.micro_batch_size * self.seq_len}"
             )
-        if self.eval_every and not self.eval_steps:
-            raise ConfigError("eval_steps=0 leaves nothing to evaluate; set eval_steps >= 1 or eval_every 0")
+        if self.eval_every and not self.eval_windows:
+            raise ConfigError("eval_windows=0 leaves nothing to evaluate; set eval_windows >= 1 or eval_every 0")
+        if not self.eval_every and (self.keep_best or self.final_weights == "best"):
+            what = "keep_best=true" if self.keep_best else "final_weights=best"
+            raise ConfigError(
+                f"{what} ranks checkpoints by their validation loss, but eval_every=0 never evaluates; "
+                "set --eval_every N (a multiple of save_every scores every checkpoint)"
+            )
+        if self.final_weights == "best" and not self.save_every:
+            raise ConfigError(
+                "final_weights=best takes the best evaluated checkpoint, but save_every=0 writes none; "
+                "set --save_every N"
+            )
         if self.overwrite and self.resume != "none":
             raise ConfigError(f"overwrite=true starts a new run; it cannot resume ({self.resume}): drop one of them")
         if self.hellaswag_every and not self.hellaswag:
@@ -410,16 +437,17 @@ class EvalConfig(Config):
     hellaswag: str = option("", "HellaSwag source: jsonl path/URL or hub id (Rowan/hellaswag)")
     limit: int = option(0, "score only the first N HellaSwag examples (0 = all)")
     data_dir: str = option("", "token shards whose 'val' split gives the validation loss")
-    eval_steps: int | None = option(
-        None, "validation batches of batch_size windows, shared out over the processes (unset: the run's, else 20)"
+    eval_windows: int | None = option(
+        None, "validation windows, shared out over the processes (unset: the run's eval_windows, else 160)"
     )
+    eval_steps: int | None = option(None, "the former size of the val set: eval_windows = eval_steps x batch_size")
     batch_size: int | None = option(
         None, "sequences (or HellaSwag examples) per forward pass (unset: the run's micro_batch_size, else 8)"
     )
     out: str = option("", "write one jsonl line per HellaSwag example here")
 
     def validate(self) -> None:
-        at_least(self, 1, "eval_steps", "batch_size")
+        at_least(self, 1, "eval_windows", "eval_steps", "batch_size")
         at_least(self, 0, "limit")
         if not self.hellaswag and not self.data_dir:
             raise ConfigError("nothing to evaluate: pass --hellaswag SRC and/or --data_dir D")
@@ -468,6 +496,23 @@ class PlotConfig(Config):
     command: ClassVar[str] = "plot"
     run_dirs: list[str] = option([], "run directories holding metrics.jsonl", positional=True)
     out: str = option("runs.png", "output file; .png, .pdf or .svg picks the format")
+
+
+# The val set's size when nothing sets it: a GPT-2 124M run's former 20 batches of 8 windows.
+DEFAULT_EVAL_WINDOWS = 160
+
+
+def resolve_eval_windows(windows: int | None, steps: int | None, batch: int) -> tuple[int, None]:
+    """(eval_windows, eval_steps=None): the val set in windows. `eval_steps` (batches of `batch`) is its former
+    size, which tied it to the batch shape; older config.yaml files and flags that give it still mean what they did."""
+    if steps is None:
+        return (DEFAULT_EVAL_WINDOWS if windows is None else windows), None
+    if windows is not None and windows != steps * batch:
+        raise ConfigError(
+            f"eval_steps={steps} (x batch {batch} = {steps * batch} windows) and eval_windows={windows} disagree: "
+            "eval_steps is the former name of the val set's size; drop it and keep eval_windows"
+        )
+    return steps * batch, None
 
 
 def save_yaml(cfg: Config, path: Path) -> None:

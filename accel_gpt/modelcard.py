@@ -186,6 +186,15 @@ def model_card(weights: str | Path, card: ModelCard, n_params: int, license: str
     return "\n\n".join(parts) + "\n"
 
 
+def _val_windows(c: dict[str, Any]) -> str:
+    """The size of the run's val set: eval_windows, or eval_steps x micro_batch_size in a config from before it."""
+    if _int(c.get("eval_windows")):
+        return f"{c['eval_windows']:,}"
+    if _int(c.get("eval_steps")) and _int(c.get("micro_batch_size")):
+        return f"{c['eval_steps'] * c['micro_batch_size']:,}"
+    return "?"
+
+
 def _no_run_section(card: ModelCard) -> list[str]:
     steps = f"after {card.step:,} optimizer steps" if card.step is not None else "at an unrecorded step"
     return [
@@ -210,8 +219,8 @@ def _training_section(t: Training, card: ModelCard) -> list[str]:
         rows.append(("final train loss", f"{last['loss']:.4f} (step {last['step']:,})"))
     val = t.last("val_loss")
     if val is not None:
-        windows = f"{c.get('eval_steps', '?')} batches of {c.get('micro_batch_size', '?')} x {card.model.seq_len}"
-        rows.append(("validation loss", f"{val['val_loss']:.4f} (step {val['step']:,}; {windows} tokens)"))
+        windows = f"{_val_windows(c)} windows of {card.model.seq_len} tokens"
+        rows.append(("validation loss", f"{val['val_loss']:.4f} (step {val['step']:,}; {windows})"))
         if val.get("val_bpb") is not None:  # absent when the data's manifest counted no bytes
             per_byte = "the same evaluation, in bits per UTF-8 byte of text: comparable across tokenizers"
             rows.append(("validation bits per byte", f"{val['val_bpb']:.4f} ({per_byte})"))

@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from accel_gpt.checkpoint import complete_checkpoints
+from accel_gpt.checkpoint import TrainState, complete_checkpoints
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.metrics import METRICS, MetricsFile, read_metrics
@@ -237,10 +237,12 @@ class MetricsLogger:
         """Time spent outside training steps (evaluation, saving) stays out of the next window's throughput."""
         self.t0 = time.perf_counter()
 
-    def summary(self, step: int, max_steps: int, tokens_seen: int, last_val_loss: float, out_dir: str) -> str:
+    def summary(self, state: TrainState, cfg: TrainConfig, weights: str | None) -> str:
+        """The run's last line. `weights`: what the final model.safetensors holds (None: none was written)."""
         self.progress.close()
         minutes = (time.perf_counter() - self.started) / 60
         losses = f"final loss {self.last_row['loss']:.4f}" if self.last_row else "no step taken"
+        last_val_loss = state.last_val_loss
         if not math.isnan(last_val_loss):
             losses += f", last val_loss {last_val_loss:.4f}"
             if self.last_val.get("val_loss") == last_val_loss and "val_bpb" in self.last_val:  # the same evaluation's
@@ -248,6 +250,7 @@ class MetricsLogger:
         if self.skipped:
             losses += f"; {self.skipped} step(s) skipped by the spike guard"
         return (
-            f"finished at step {step}/{max_steps} in {minutes:.1f} min, {tokens_seen:,} tokens seen; {losses}; "
-            f"run dir {out_dir} (metrics.jsonl, config.yaml, checkpoints/, model.safetensors)"
+            f"finished at step {state.step}/{cfg.max_steps} in {minutes:.1f} min, {state.tokens_seen:,} tokens seen; "
+            f"{losses}; run dir {cfg.out_dir} (metrics.jsonl, config.yaml, checkpoints/"
+            + (f"; {weights})" if weights else "; no final weights yet)")
         )

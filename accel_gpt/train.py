@@ -28,7 +28,14 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 
-from accel_gpt.checkpoint import Checkpointer, TrainState, complete_checkpoints, data_identity, tokenizer_mismatch
+from accel_gpt.checkpoint import (
+    Checkpointer,
+    TrainState,
+    best_checkpoint,
+    complete_checkpoints,
+    data_identity,
+    tokenizer_mismatch,
+)
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.data import shards
 from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
@@ -41,7 +48,15 @@ from accel_gpt.runtime import StopSignal, make_accelerator, use_attention_backen
 from accel_gpt.spike import SpikeGuard, check_can_skip, optimizer_step
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.tracking import MetricsLogger, resolve_trackers, show_logs_above_progress_bar
-from accel_gpt.weights import MODEL_CONFIG, ModelCard, load_model, save_weights
+from accel_gpt.weights import (
+    MODEL_CONFIG,
+    WEIGHTS,
+    ModelCard,
+    load_model,
+    load_weights,
+    read_model_config,
+    save_weights,
+)
 
 logger = get_logger(__name__)
 
@@ -79,9 +94,8 @@ def train(cfg: TrainConfig) -> None:
             if stopping:
                 logger.info(f"stop requested: stopped after step {state.step}; {stop_hint(cfg)}")
                 break
-        if state.step == cfg.max_steps:
-            save_final(cfg, accelerator, run, state)
-        logger.info(log.summary(state.step, cfg.max_steps, state.tokens_seen, state.last_val_loss, cfg.out_dir))
+        weights = save_final(cfg, accelerator, run, state) if state.step == cfg.max_steps else None
+        logger.info(log.summary(state, cfg, weights))
         accelerator.end_training()
 
 
@@ -276,11 +290,20 @@ def describe(cfg: TrainConfig, accelerator: Accelerator, run: Run) -> str:
     )
 
 
-def save_final(cfg: TrainConfig, accelerator: Accelerator, run: Run, state: TrainState) -> None:
-    """Final weights in the run directory; every rank takes part in gathering them (FSDP)."""
-    state_dict = accelerator.get_state_dict(run.model)
-    if accelerator.is_main_process:
-        card = ModelCard(run.card.model, run.card.tokenizer, state.step)
-        save_weights(state_dict, card, Path(cfg.out_dir))
-        logger.info(f"final weights: {Path(cfg.out_dir) / 'model.safetensors'}")
+def save_final(cfg: TrainConfig, accelerator: Accelerator, run: Run, state: TrainState) -> str:
+    """Final weights in the run directory: the last step's, or with `final_weights best` those of the checkpoint
+    with the lowest val loss (kept by its pruning). Every rank takes part (FSDP gathers). Returns what they are."""
+    best = best_checkpoint(cfg.out_dir) if cfg.final_weights == "best" else None
+    best_step = read_model_config(best[0]).step if best is not None else None
+    if best is not None and best_step != state.step:
+        if accelerator.is_main_process:
+            model, card = load_weights(best[0])
+            save_weights(model.state_dict(), card, Path(cfg.out_dir))
+        what = f"step {best_step}'s, the lowest val_loss ({best[1]:.4f})"
+    else:
+        state_dict = accelerator.get_state_dict(run.model)
+        if accelerator.is_main_process:
+            save_weights(state_dict, ModelCard(run.card.model, run.card.tokenizer, state.step), Path(cfg.out_dir))
+        what = f"step {state.step}'s" + (", whose val_loss is the lowest" if best is not None else "")
     accelerator.wait_for_everyone()
+    return f"{WEIGHTS} holds {what} weights"

@@ -135,7 +135,7 @@ def shakespeare_shards(tmp_path_factory: pytest.TempPathFactory, shakespeare_tok
 # The settings of `tiny_run`: evaluations at steps 2 and 4 on 3 batches of 2 windows (not eval's defaults, so that
 # an eval that ignored the run's settings would report another val_loss), HellaSwag on 8 examples at step 4.
 TINY_RUN_FLAGS = [
-    "--config", "tiny-cpu", "--max_steps", "4", "--micro_batch_size", "2", "--eval_every", "2", "--eval_steps", "3",
+    "--config", "tiny-cpu", "--max_steps", "4", "--micro_batch_size", "2", "--eval_every", "2", "--eval_windows", "6",
     "--hellaswag_every", "4", "--hellaswag", str(HELLASWAG), "--hellaswag_limit", "8", "--save_every", "2",
     "--sample_tokens", "0", "--log_with", "none",
 ]  # fmt: skip

@@ -43,7 +43,7 @@ from accel_gpt.weights import ModelCard, load_model, save_weights
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=64, vocab_size=50304)
 WORLD_SIZES = (1, 2, 3)
 BATCH = 2  # examples (HellaSwag) or windows (val loss) per forward pass: 7 examples leave uneven shards
-EVAL_STEPS = 5  # 10 validation windows: uneven for W=3 too
+EVAL_WINDOWS = 9  # validation windows: a last batch of one, and uneven shards for W = 2 and 3
 GPT2 = Tokenizer("gpt2")
 
 
@@ -125,13 +125,13 @@ from accel_gpt.generate import sample_texts
 from accel_gpt.runtime import make_accelerator
 from accel_gpt.weights import load_model
 
-checkpoint, hellaswag, data_dir, out, batch, eval_steps = sys.argv[1:]
-batch, eval_steps = int(batch), int(eval_steps)
+checkpoint, hellaswag, data_dir, out, batch, eval_windows = sys.argv[1:]
+batch, eval_windows = int(batch), int(eval_windows)
 accelerator = make_accelerator()
 model, card = load_model(checkpoint)
 model.train()
 seq_len = card.model.seq_len
-val_dl = DataLoader(val_windows(data_dir, seq_len, eval_steps * batch), batch_size=batch)
+val_dl = DataLoader(val_windows(data_dir, seq_len, eval_windows), batch_size=batch)
 model, val_dl = accelerator.prepare(model, val_dl)
 hellaswag_dl = accelerator.prepare_data_loader(hellaswag_loader(load_hellaswag(hellaswag), seq_len, batch))
 row = hellaswag_metrics(score_hellaswag(model, accelerator, hellaswag_dl))
@@ -139,7 +139,7 @@ row["val_loss"] = evaluate_loss(model, val_dl, accelerator)
 row["text"] = sample_texts(model, card.model, card.tokenizer, "Hello", 8, 1.0, 50, 3, accelerator.device)[0]
 shape = {k: v for k, v in card.model.to_dict().items() if k != "layer_norm_eps"}
 cfg = TrainConfig(data_dir=data_dir, **shape, micro_batch_size=batch, total_batch_size=batch * seq_len,
-                  eval_every=1, eval_steps=eval_steps, hellaswag_every=1, hellaswag=hellaswag, sample_tokens=0)
+                  eval_every=1, eval_windows=eval_windows, hellaswag_every=1, hellaswag=hellaswag, sample_tokens=0)
 row["evaluator"] = Evaluator(cfg, accelerator, model, card, ["train", "val"]).run(step=1, last=True)
 row.update(num_processes=accelerator.num_processes, wrapper=type(model).__name__, training=model.training)
 Path(out, f"rank{accelerator.process_index}.json").write_text(json.dumps(row))
@@ -150,7 +150,7 @@ Path(out, f"rank{accelerator.process_index}.json").write_text(json.dumps(row))
 def launches(workdir: Path, tiny_checkpoint: Path, seven_path: Path, val_data: Path) -> dict:
     """`run.py eval` under W = 1, 2, 3 plus the DDP worker under W = 2, launched side by side."""
     common = ["--checkpoint", str(tiny_checkpoint), "--hellaswag", str(seven_path), "--batch_size", str(BATCH)]
-    common += ["--data_dir", str(val_data), "--eval_steps", str(EVAL_STEPS)]
+    common += ["--data_dir", str(val_data), "--eval_windows", str(EVAL_WINDOWS)]
     jobs = {W: accelerate_cmd(W, "eval", *common, "--out", str(workdir / f"preds_w{W}.jsonl")) for W in WORLD_SIZES}
     worker, worker_out = workdir / "worker.py", workdir / "worker_out"
     worker.write_text(WORKER)
@@ -158,7 +158,7 @@ def launches(workdir: Path, tiny_checkpoint: Path, seven_path: Path, val_data: P
     cmd = accelerate_cmd(2)
     cmd[cmd.index("run.py")] = str(worker)
     jobs["ddp"] = [*cmd, str(tiny_checkpoint), str(seven_path), str(val_data), str(worker_out), str(BATCH),
-                   str(EVAL_STEPS)]  # fmt: skip
+                   str(EVAL_WINDOWS)]  # fmt: skip
     with ThreadPoolExecutor(len(jobs)) as pool:
         procs = dict(zip(jobs, pool.map(lambda c: run_cmd(c, PYTHONPATH=str(REPO)), jobs.values()), strict=True))
     results = {}
@@ -213,7 +213,7 @@ def reference(tiny_checkpoint: Path, val_data: Path) -> dict:
             sums.append(sum(losses))
             means.append(sum(losses) / n)
         predictions.append((int(np.argmin(means)), int(np.argmin(sums))))
-    windows = val_windows(val_data, TINY.seq_len, EVAL_STEPS * BATCH)
+    windows = val_windows(val_data, TINY.seq_len, EVAL_WINDOWS)
     with torch.no_grad():
         val_loss = np.mean([model(x[None], y[None])[1].item() for x, y in windows])
     return {"predictions": predictions, "val_loss": val_loss, "per_byte": val_tokens_per_byte(val_data)}
@@ -325,7 +325,7 @@ def test_one_rank_matches_the_unbatched_unpadded_reference(
     out = tmp_path / "preds.jsonl"
     result = eval_here(
         capsys, "--checkpoint", str(tiny_checkpoint), "--hellaswag", str(seven_path), "--out", str(out),
-        "--batch_size", str(BATCH), "--data_dir", str(val_data), "--eval_steps", str(EVAL_STEPS),
+        "--batch_size", str(BATCH), "--data_dir", str(val_data), "--eval_windows", str(EVAL_WINDOWS),
     )  # fmt: skip
     preds = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(p["pred_norm"], p["pred_sum"]) for p in preds] == reference["predictions"]
@@ -373,7 +373,7 @@ def test_equal_logits_give_log2_vocab_bits_per_token(
     assert result["val_bpb"] == pytest.approx(math.log2(TINY.vocab_size) * val_tokens_per_byte(val_data), rel=1e-6)
 
 
-def evaluator_rows(cfg_data: str, checkpoint: Path, weights: str = "") -> list[dict]:
+def evaluator_rows(cfg_data: str, checkpoint: Path, weights: str = "", micro_batch_size: int = BATCH) -> list[dict]:
     """Two evaluations by the training loop's Evaluator, in this process (needs `one_rank`)."""
     from accel_gpt.config import TrainConfig
     from accel_gpt.evaluate.evaluator import Evaluator
@@ -382,10 +382,20 @@ def evaluator_rows(cfg_data: str, checkpoint: Path, weights: str = "") -> list[d
     accelerator = make_accelerator()
     model, card = load_model(checkpoint)
     shape = {k: v for k, v in card.model.to_dict().items() if k != "layer_norm_eps"}
-    cfg = TrainConfig(data_dir=cfg_data, data_weights=weights, **shape, micro_batch_size=BATCH,
-                      total_batch_size=BATCH * TINY.seq_len, eval_every=1, eval_steps=2, sample_tokens=0)  # fmt: skip
+    cfg = TrainConfig(data_dir=cfg_data, data_weights=weights, **shape, micro_batch_size=micro_batch_size,
+                      total_batch_size=6 * TINY.seq_len, eval_every=1, eval_windows=5, sample_tokens=0)  # fmt: skip
     evaluator = Evaluator(cfg, accelerator, model, card, ["train", "val"])
     return [evaluator.run(step, last=False) for step in (1, 2)]
+
+
+def test_the_training_val_set_is_the_same_for_any_micro_batch(
+    tiny_checkpoint: Path, val_data: Path, one_rank: None, capsys
+) -> None:
+    """eval_windows 5 in micro-batches of 1, 2 and 3 (a last batch of 1 or 2): the same val loss, to round-off, and
+    the same as `run.py eval` on those 5 windows."""
+    losses = [evaluator_rows(str(val_data), tiny_checkpoint, micro_batch_size=b)[0]["val_loss"] for b in (1, 2, 3)]
+    result = eval_here(capsys, "--checkpoint", str(tiny_checkpoint), "--data_dir", str(val_data), "--eval_windows", "5")
+    assert losses == pytest.approx([result["val_loss"]] * 3, abs=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -424,7 +434,7 @@ def test_data_without_byte_counts_gives_no_bpb_and_says_so_once(
     from accel_gpt.evaluate.val_loss import no_bpb_note
 
     old = strip_byte_counts(Path(shutil.copytree(val_data, tmp_path / "old")))
-    main(["eval", "--checkpoint", str(tiny_checkpoint), "--data_dir", str(old), "--eval_steps", "2"])
+    main(["eval", "--checkpoint", str(tiny_checkpoint), "--data_dir", str(old), "--eval_windows", "4"])
     out, err = capsys.readouterr()
     (result,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert "val_bpb" not in result and math.isfinite(result["val_loss"])
@@ -678,22 +688,48 @@ def test_out_must_be_a_writable_file_and_is_checked_first(
 
 @pytest.mark.slow
 def test_eval_of_a_run_reports_the_val_loss_it_logged(tiny_run: Path, one_rank: None, capsys) -> None:
-    """Its final weights and its step-4 checkpoint, scored with the run's eval_steps and micro batch (not eval's
-    defaults: 20 x 8 windows would be others), give the val_loss the run logged at step 4; flags still win."""
+    """Its final weights and its step-4 checkpoint, scored with the run's val set (eval_windows 6; not eval's
+    default of 160 windows) give the val_loss the run logged at step 4; flags still win."""
     logged = {row["step"]: row for row in read_metrics(tiny_run / "metrics.jsonl")}
     data_dir = yaml.safe_load((tiny_run / "config.yaml").read_text())["data_dir"]
     for weights in (tiny_run, tiny_run / "checkpoints" / "step_00000004"):
         result = eval_here(capsys, "--checkpoint", str(weights), "--data_dir", data_dir)
-        assert (result["eval_steps"], result["batch_size"]) == (3, 2)
+        assert (result["eval_windows"], result["batch_size"]) == (6, 2)
         assert result["val_loss"] == pytest.approx(logged[4]["val_loss"], abs=1e-4)
         assert result["val_bpb"] == pytest.approx(logged[4]["val_bpb"], abs=1e-4)
     checkpoint = tiny_run / "checkpoints" / "step_00000002"
     assert eval_here(capsys, "--checkpoint", str(checkpoint), "--data_dir", data_dir)["val_loss"] == pytest.approx(
         logged[2]["val_loss"], abs=1e-4
     )
-    flags = eval_here(capsys, "--checkpoint", str(tiny_run), "--data_dir", data_dir, "--eval_steps", "20")
-    assert (flags["eval_steps"], flags["batch_size"]) == (20, 2)
+    flags = eval_here(capsys, "--checkpoint", str(tiny_run), "--data_dir", data_dir, "--eval_windows", "40")
+    assert (flags["eval_windows"], flags["batch_size"]) == (40, 2)
     assert abs(flags["val_loss"] - logged[4]["val_loss"]) > 1e-4  # 40 windows are not the run's 6
+    # the same 6 windows in batches of 4 and of 1: the same loss, to float round-off
+    for batch in ("4", "1"):
+        other = eval_here(capsys, "--checkpoint", str(tiny_run), "--data_dir", data_dir, "--batch_size", batch)
+        assert other["eval_windows"] == 6 and other["val_loss"] == pytest.approx(logged[4]["val_loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_eval_of_a_run_from_before_eval_windows_uses_its_eval_steps(tiny_run: Path, tmp_path: Path, capsys) -> None:
+    """A run dir whose config.yaml sized the val set as eval_steps batches of micro_batch_size (3 x 2) is scored on
+    those 6 windows, and that config.yaml still loads for training, as eval_windows 6."""
+    import shutil
+
+    from accel_gpt.config import TrainConfig
+
+    old = Path(shutil.copytree(tiny_run, tmp_path / "old"))
+    saved = yaml.safe_load((old / "config.yaml").read_text())
+    saved.pop("eval_windows")
+    saved["eval_steps"] = 3
+    (old / "config.yaml").write_text(yaml.safe_dump(saved))
+    logged = {row["step"]: row for row in read_metrics(old / "metrics.jsonl")}
+    result = eval_here(capsys, "--checkpoint", str(old), "--data_dir", saved["data_dir"])
+    assert result["eval_windows"] == 6 and result["val_loss"] == pytest.approx(logged[4]["val_loss"], abs=1e-4)
+    cfg = TrainConfig.load(str(old / "config.yaml"))
+    assert (cfg.eval_windows, cfg.eval_steps) == (6, None)
+    assert TrainConfig.load(str(old / "config.yaml"), {"micro_batch_size": 1}).eval_windows == 3  # as it always was
+    assert TrainConfig.load(str(old / "config.yaml"), {"eval_windows": 8}).eval_windows == 8  # a flag replaces it
 
 
 @pytest.mark.slow
@@ -715,8 +751,15 @@ def test_a_run_logs_and_sums_up_its_val_bpb(tiny_run: Path) -> None:
 def test_weights_without_their_run_take_the_default_settings(
     tiny_checkpoint: Path, val_data: Path, one_rank: None, capsys
 ) -> None:
-    result = eval_here(capsys, "--checkpoint", str(tiny_checkpoint), "--data_dir", str(val_data))
-    assert (result["eval_steps"], result["batch_size"]) == (20, 8)
+    """160 windows in batches of 8; the val split holds only 12, so eval says so once and uses them all."""
+    main(["eval", "--checkpoint", str(tiny_checkpoint), "--data_dir", str(val_data)])
+    out, err = capsys.readouterr()
+    (result,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert (result["eval_windows"], result["batch_size"]) == (12, 8)
+    note = f"the val split of {val_data} holds 12 windows of {TINY.seq_len} tokens, fewer than eval_windows=160: "
+    assert err.count(note + "validation uses all 12") == 1, err
+    same = ("--checkpoint", str(tiny_checkpoint), "--data_dir", str(val_data), "--eval_windows", "12")
+    assert result["val_loss"] == pytest.approx(eval_here(capsys, *same, "--batch_size", "5")["val_loss"], abs=1e-6)
 
 
 def test_hellaswag_standard_error_is_lm_eval_harness_s() -> None:

@@ -119,7 +119,7 @@ def test_the_card_reports_the_runs_own_records(tiny_run: Path, run_card: tuple[d
     assert got["optimizer steps"] == "4 of 4"
     assert got["tokens seen"] == "2,048 (4 steps of 512 tokens)"
     assert got["final train loss"] == f"{rows[4]['loss']:.4f} (step 4)"
-    assert got["validation loss"] == f"{rows[4]['val_loss']:.4f} (step 4; 3 batches of 2 x 64 tokens)"
+    assert got["validation loss"] == f"{rows[4]['val_loss']:.4f} (step 4; 6 windows of 64 tokens)"
     assert got["validation bits per byte"] == (
         f"{rows[4]['val_bpb']:.4f} (the same evaluation, in bits per UTF-8 byte of text: comparable across tokenizers)"
     )

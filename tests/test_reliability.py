@@ -325,6 +325,32 @@ def test_resume_survives_stray_metrics_lines_and_an_unreadable_marker(data: Path
     assert names[0] == "step_00000002" and names[-1] == "step_00000006" and len(names) <= 3, names
 
 
+def test_final_weights_best_are_the_checkpoint_with_the_lowest_logged_val_loss(data: Path, tmp_path: Path) -> None:
+    """A rate that warms up to far too high a peak: the val loss falls, then rises. `--final_weights best` makes
+    model.safetensors that checkpoint's weights (kept by pruning, like keep_best), the summary names its step, and
+    `run.py eval` of the run dir gives back that step's logged val loss; `last` keeps the last step's."""
+    common = ("--max_steps", "12", "--eval_every", "2", "--eval_windows", "8", "--save_every", "2")
+    common += ("--keep_checkpoints", "1", "--learning_rate", "1", "--warmup_steps", "12", "--lr_schedule", "constant")
+    best, last = tmp_path / "best", tmp_path / "last"
+    proc = train(data, best, *common, "--final_weights", "best")
+    train(data, last, *common)
+    logged = {r["step"]: r["val_loss"] for r in rows(best) if "val_loss" in r}
+    assert logged == {r["step"]: r["val_loss"] for r in rows(last) if "val_loss" in r}  # the same run
+    step = min(logged, key=logged.get)
+    assert step < 12, logged  # the case the setting is for: the last step is not the best
+    assert checkpoints(best) == [f"step_{step:08d}", "step_00000012"]
+    final = load_file(str(best / "model.safetensors"))
+    assert_same_weights(final, load_file(str(ckpt(best, step) / "model.safetensors")))
+    assert json.loads((best / "model_config.json").read_text())["step"] == step
+    assert f"model.safetensors holds step {step}'s, the lowest val_loss ({logged[step]:.4f}) weights" in proc.stderr
+    final = load_file(str(last / "model.safetensors"))
+    assert_same_weights(final, load_file(str(ckpt(last, 12) / "model.safetensors")))
+    assert json.loads((last / "model_config.json").read_text())["step"] == 12
+    cmd = python_cmd("eval", "--checkpoint", str(best), "--data_dir", str(data))
+    result = json.loads(run_cmd(cmd, timeout=120).stdout.splitlines()[-1])
+    assert result["val_loss"] == pytest.approx(logged[step], abs=1e-5)
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 640 KiB tmpfs: room for one checkpoint of these models (about 400 KB), not two; remountable larger."""

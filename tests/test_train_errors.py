@@ -129,7 +129,13 @@ def test_token_id_beyond_the_model_vocabulary(capsys: pytest.CaptureFixture, tmp
         (["--weight_decay", "inf"], "weight_decay=inf must be a finite number"),
         (["--beta1", "1.5"], "beta1=1.5 must be in [0, 1)"),
         (["--seed=-1"], "seed=-1 must be >= 0"),
-        (["--eval_steps", "0", "--eval_every", "2"], "eval_steps=0 leaves nothing to evaluate"),
+        (["--eval_windows", "0", "--eval_every", "2"], "eval_windows=0 leaves nothing to evaluate"),
+        (["--eval_steps", "0", "--eval_every", "2"], "eval_windows=0 leaves nothing to evaluate"),
+        (["--eval_windows", "7", "--eval_steps", "2"], "eval_steps=2 (x batch 2 = 4 windows) and eval_windows=7"),
+        (["--keep_best", "true", "--eval_every", "0"], "keep_best=true ranks checkpoints by their validation loss"),
+        (["--final_weights", "best", "--eval_every", "0"], "final_weights=best ranks checkpoints by their valid"),
+        (["--final_weights", "best", "--save_every", "0"], "final_weights=best takes the best evaluated checkpoint"),
+        (["--final_weights", "first"], "final_weights='first' is not one of last, best"),
     ],
 )
 def test_invalid_optimization_settings(

@@ -4,14 +4,15 @@
 
 The JSON holds `acc_norm, acc` with their standard errors `acc_norm_stderr, acc_stderr`, and `correct_norm,
 correct, total` with --hellaswag; `val_loss`, `val_bpb` (bits per byte, see `val_loss.py`; left out, with one line
-on stderr saying why, for data prepared before byte counts existed) and the `eval_steps, batch_size` they were
+on stderr saying why, for data prepared before byte counts existed) and the `eval_windows, batch_size` they were
 computed with, with --data_dir; and `num_processes` (the size of the group that computed it): the values are the
 same for any size.
 
-The validation loss is the mean over the first `eval_steps * batch_size` windows of the val split, so it depends
-on those two. For a run's weights (a run dir or one of its checkpoints) they default to the run's own
-`eval_steps` and `micro_batch_size` (its config.yaml): `eval` then reports the val_loss the run logged for those
-weights. Flags override them; weights without their run default to 20 batches of 8.
+The validation loss is the mean over the first `eval_windows` windows of the val split (all of them, said on stderr,
+when it holds fewer): the same value, to float round-off, for any batch size or number of processes. For a run's
+weights (a run dir or one of its checkpoints) it defaults to the run's own val set (its config.yaml; `eval_steps x
+micro_batch_size` in a config written before eval_windows existed): `eval` then reports the val_loss the run logged
+for those weights. Flags override it; weights without their run default to 160 windows in batches of 8.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Subset
 
-from accel_gpt.config import EvalConfig
+from accel_gpt.config import DEFAULT_EVAL_WINDOWS, EvalConfig, resolve_eval_windows
 from accel_gpt.data import shards
 from accel_gpt.data.loader import check_vocab, val_windows
 from accel_gpt.data.shards import read_manifest
@@ -38,15 +39,14 @@ from accel_gpt.evaluate.hellaswag import (
     load_hellaswag,
     score_hellaswag,
 )
-from accel_gpt.evaluate.val_loss import bits_per_byte, evaluate_loss, no_bpb_note
+from accel_gpt.evaluate.val_loss import bits_per_byte, evaluate_loss, no_bpb_note, short_split_note
 from accel_gpt.files import atomic_write
 from accel_gpt.rundir import read_run_config, run_of
 from accel_gpt.runtime import make_accelerator
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.weights import ModelCard, load_model
 
-# Without a run to take them from: 160 windows (a GPT-2 124M run's 20 batches of 8 sequences).
-DEFAULT_EVAL_STEPS = 20
+# Without a run to take it from (the val set's size comes from config.DEFAULT_EVAL_WINDOWS).
 DEFAULT_BATCH_SIZE = 8
 
 
@@ -67,8 +67,12 @@ def run_eval(cfg: EvalConfig) -> None:
             )
         check_vocabulary(card.model.vocab_size)
     windows, per_byte = val_data(cfg, card) if cfg.data_dir else (None, None)  # checked before anything is scored
-    if windows is not None and per_byte is None and accelerator.is_main_process:
-        print(f"note: {no_bpb_note([cfg.data_dir])}", file=sys.stderr)
+    if windows is not None and accelerator.is_main_process:
+        if len(windows) < cfg.eval_windows:
+            note = short_split_note(cfg.data_dir, len(windows), cfg.eval_windows, card.model.seq_len)
+            print(f"note: {note}", file=sys.stderr)
+        if per_byte is None:
+            print(f"note: {no_bpb_note([cfg.data_dir])}", file=sys.stderr)
     if accelerator.mixed_precision != "no":  # autocast from the launch config; no DDP, evaluation needs no grads
         model = accelerator.prepare_model(model, evaluation_mode=True)
     result: dict[str, float | int] = {}
@@ -82,7 +86,7 @@ def run_eval(cfg: EvalConfig) -> None:
         result["val_loss"] = evaluate_loss(model, val_dl, accelerator)
         if per_byte is not None:
             result["val_bpb"] = bits_per_byte(result["val_loss"], per_byte)
-        result |= {"eval_steps": cfg.eval_steps, "batch_size": cfg.batch_size}
+        result |= {"eval_windows": len(windows), "batch_size": cfg.batch_size}
     result["num_processes"] = accelerator.num_processes
     if accelerator.is_main_process:
         if cfg.out and examples is not None:
@@ -92,18 +96,21 @@ def run_eval(cfg: EvalConfig) -> None:
 
 
 def with_run_settings(cfg: EvalConfig) -> EvalConfig:
-    """`cfg` with eval_steps and batch_size set: the flags, else the run's own (see the module), else the defaults
-    (also for a run that never evaluated: its eval_steps may be 0)."""
-    if cfg.eval_steps is not None and cfg.batch_size is not None:
-        return cfg
-    run = run_of(cfg.checkpoint)
+    """`cfg` with eval_windows and batch_size set: the flags (`--eval_steps` counts batches of the batch size), else
+    the run's own (see the module), else the defaults (also for a run that never evaluated)."""
+    run = run_of(cfg.checkpoint) if cfg.eval_windows is None or cfg.batch_size is None else None
     saved = read_run_config(run) if run is not None else {}
-    steps, batch = saved.get("eval_steps"), saved.get("micro_batch_size")
-    return replace(
-        cfg,
-        eval_steps=cfg.eval_steps or (steps if _positive(steps) else DEFAULT_EVAL_STEPS),
-        batch_size=cfg.batch_size or (batch if _positive(batch) else DEFAULT_BATCH_SIZE),
-    )
+    saved_batch = saved.get("micro_batch_size") if _positive(saved.get("micro_batch_size")) else None
+    batch = cfg.batch_size or saved_batch or DEFAULT_BATCH_SIZE
+    if cfg.eval_windows is not None or cfg.eval_steps is not None:
+        windows, _ = resolve_eval_windows(cfg.eval_windows, cfg.eval_steps, batch)
+    elif _positive(saved.get("eval_windows")):
+        windows = saved["eval_windows"]
+    elif _positive(saved.get("eval_steps")) and saved_batch:  # a config.yaml from before eval_windows
+        windows = saved["eval_steps"] * saved_batch
+    else:
+        windows = DEFAULT_EVAL_WINDOWS
+    return replace(cfg, eval_windows=windows, eval_steps=None, batch_size=batch)
 
 
 def _positive(value: Any) -> bool:
@@ -116,7 +123,7 @@ def val_data(cfg: EvalConfig, card: ModelCard) -> tuple[Subset, float | None]:
     manifest = read_manifest(cfg.data_dir)
     check_same_tokenizer(manifest, card.tokenizer, cfg.data_dir, cfg.checkpoint)
     check_vocab(manifest, card.model.vocab_size, cfg.data_dir)
-    windows = val_windows(cfg.data_dir, card.model.seq_len, cfg.eval_steps * cfg.batch_size)
+    windows = val_windows(cfg.data_dir, card.model.seq_len, cfg.eval_windows)
     return windows, shards.tokens_per_byte(manifest, "val")
 
 

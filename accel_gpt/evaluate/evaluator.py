@@ -5,7 +5,7 @@ the tokenizer cannot encode, a bad HellaSwag file fail before step 1), and the l
 Evaluation of a compiled model runs eagerly: its batch shapes differ from training's, and compiling
 them would add graphs (and minutes of compile time on a GPU) at the first evaluation of every run.
 
-For a mixture of sources, each source with a val split is evaluated on its own first `eval_steps` batches:
+For a mixture of sources, each source with a val split is evaluated on its own first `eval_windows` windows:
 `val_loss/<folder name>` for each, and `val_loss` their mean weighted by `data_weights` (renormalised over the
 sources that have a val split), so it measures the mixture the model is trained on.
 
@@ -39,7 +39,7 @@ from accel_gpt.evaluate.hellaswag import (
     load_hellaswag,
     score_hellaswag,
 )
-from accel_gpt.evaluate.val_loss import bits_per_byte, evaluate_loss, no_bpb_note
+from accel_gpt.evaluate.val_loss import bits_per_byte, evaluate_loss, no_bpb_note, short_split_note
 from accel_gpt.generate import encode_prompt, sample_texts
 from accel_gpt.weights import ModelCard
 
@@ -59,8 +59,8 @@ class ValSource:
 
 
 def val_sources(cfg: TrainConfig, accelerator: Accelerator) -> list[ValSource]:
-    """The first `eval_steps * micro_batch_size` val windows of each source that has a val split, with the tokens
-    per byte that make its bits per byte."""
+    """The first `eval_windows` val windows of each source that has a val split (all of a smaller split, said once),
+    with the tokens per byte that make its bits per byte."""
     sources, without = [], []
     for name, data_dir, weight in zip(source_names(cfg.data_dirs), cfg.data_dirs, cfg.source_weights(), strict=True):
         if not has_val(data_dir):
@@ -69,10 +69,12 @@ def val_sources(cfg: TrainConfig, accelerator: Accelerator) -> list[ValSource]:
         windows = val_windows(
             data_dir,
             cfg.seq_len,
-            cfg.eval_steps * cfg.micro_batch_size,
+            cfg.eval_windows,
             checksums=accelerator.is_local_main_process,
             verify=cfg.verify_data,
         )
+        if len(windows) < cfg.eval_windows:
+            logger.warning(short_split_note(data_dir, len(windows), cfg.eval_windows, cfg.seq_len))
         loader = accelerator.prepare_data_loader(DataLoader(windows, batch_size=cfg.micro_batch_size))
         sources.append(ValSource(name, weight, loader, tokens_per_byte(read_manifest(data_dir), "val")))
         if sources[-1].tokens_per_byte is None:

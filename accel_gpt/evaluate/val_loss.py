@@ -1,4 +1,5 @@
-"""Validation loss over a fixed set of windows, the same number for any number of processes.
+"""Validation loss over a fixed set of windows: the first `eval_windows` of the val split, whatever the batch size
+or the number of processes.
 
 Each sequence's mean token loss is gathered with `gather_for_metrics` (which drops the duplicates that
 even batching pads into the last batch), and the mean is taken over all of them in float64. All windows
@@ -9,7 +10,7 @@ Bits per byte (`val_bpb`) is the same loss in a unit that does not depend on the
 token) / ln 2 * (tokens / UTF-8 bytes of the val split), from the byte count `prepare` records in the manifest. A
 char model's token is one character, a GPT-2 token about four: their losses per token differ by that much for the
 same model quality, their bits per byte do not. The ratio is the whole split's while the loss is that of the windows
-evaluated (its first `eval_steps` batches): the split's average bytes per token stands in for theirs.
+evaluated (its first `eval_windows` windows): the split's average bytes per token stands in for theirs.
 """
 
 from __future__ import annotations
@@ -54,4 +55,12 @@ def no_bpb_note(folders: list[str]) -> str:
         f"val_bpb (bits per byte) is unavailable for {', '.join(folders)}: its manifest.json has no byte count of "
         "the val split (prepared before accel_gpt recorded it); run the prepare command that wrote it again, which "
         "adds the count without tokenizing again (or prepare it anew)"
+    )
+
+
+def short_split_note(data_dir: str, have: int, asked: int, seq_len: int) -> str:
+    """The one line said when the val split holds fewer windows than the val set asks for: all of them are used."""
+    return (
+        f"the val split of {data_dir} holds {have} windows of {seq_len} tokens, fewer than eval_windows={asked}: "
+        f"validation uses all {have}"
     )
