@@ -33,6 +33,11 @@ refused, naming `--init_from` (which starts a new run from a checkpoint's weight
 config.yaml records. The optimizer itself may not: its state is another optimizer's (AdamW's moments are not Muon's
 momentum), so a resume under the other one is refused.
 
+Every rank looks its resume checkpoint up on its own; before anything is loaded, all must have found the same folder
+with the same files (`shared_storage.agreement`: a folder on each machine's own disk fails here instead of hanging),
+and each rank of the group that saved it must find its own random state there. A checkpoint resumed by a group of
+another size is named in one line (`other_group_note`).
+
 The weights are saved under the unwrapped model's keys whatever the world size (Accelerate keeps the
 module it was given, not the DDP wrapper, in the list it saves), so a checkpoint written by W processes
 resumes under any W' with the same `total_batch_size`.
@@ -57,12 +62,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, gather_object
+from accelerate.utils.constants import RNG_STATE_NAME
 
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.errors import UserError
 from accel_gpt.files import atomic_write_json, fsync_dir, fsync_tree, publish, remove
 from accel_gpt.optim import apply_settings
 from accel_gpt.rundir import same_on_every_rank
+from accel_gpt.shared_storage import agreement, gather_views
 from accel_gpt.spike import SpikeGuard
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.weights import MODEL_CONFIG, WEIGHTS, ModelCard, read_model_config, save_weights, write_model_config
@@ -103,6 +110,7 @@ class TrainState:
     config: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)  # `data_identity` of the training data
     spike: SpikeGuard | None = None  # the spike guard's window, when the guard is on
+    num_processes: int = 0  # the group that saved it (0: a checkpoint from before it was recorded)
 
     def advance(self, cfg: TrainConfig) -> None:
         """One optimizer step done: the position in the window stream follows from the global batch."""
@@ -118,6 +126,7 @@ class TrainState:
             "last_val_loss": self.last_val_loss,
             "config_json": json.dumps(self.config),
             "data_json": json.dumps(self.data),
+            "num_processes": self.num_processes,
             **({"spike_json": json.dumps(self.spike.state_dict())} if self.spike is not None else {}),
         }
 
@@ -128,6 +137,7 @@ class TrainState:
         self.last_val_loss = float(sd["last_val_loss"])
         self.config = json.loads(sd["config_json"])
         self.data = json.loads(sd.get("data_json", "{}"))  # {} in checkpoints from before it was recorded
+        self.num_processes = int(sd.get("num_processes", 0))
         if self.spike is not None and "spike_json" in sd:  # absent when saved with the guard off: it starts empty
             self.spike.load_state_dict(json.loads(sd["spike_json"]))
 
@@ -219,6 +229,36 @@ class Checkpointer:
             _remove(final)
         publish(tmp, final)
 
+    def _agreed_checkpoint(self, resume: str) -> Path | None:
+        """The checkpoint every rank resumes from: each looks it up on its own, and all must find the same folder
+        with the same files (`shared_storage`), or every rank stops with the same line instead of a hang."""
+        error, path = None, None
+        try:
+            path = find_resume_checkpoint(resume, self.out_dir)
+        except UserError as e:
+            error = str(e)
+        error = any_rank_error(self.accelerator, error)
+        if error is None:
+            error = agreement(gather_views(self.accelerator, path))
+        if error is not None:
+            raise UserError(error)
+        return path
+
+    def _check_own_random_state(self, path: Path, saved_by: int) -> None:
+        """Each rank of the group that saved `path` wrote its random state into it; a rank whose file is missing
+        would resume with another dropout stream than an uninterrupted run's, so the checkpoint is refused."""
+        rank = self.accelerator.process_index
+        own = path / f"{RNG_STATE_NAME}_{rank}.pkl"
+        error = None
+        if rank < saved_by and not own.is_file():
+            error = (
+                f"checkpoint {path} lacks {own.name}, the random state of rank {rank} of the {saved_by} processes "
+                f"that saved it: it is damaged; resume from an earlier checkpoint by path"
+            )
+        error = any_rank_error(self.accelerator, error)
+        if error is not None:
+            raise UserError(error)
+
     def _save_failed(self, final: Path, reason: str) -> UserError:
         done = complete_checkpoints(self.out_dir)
         kept = f"the previous checkpoint, {done[-1]}, is intact" if done else "no earlier checkpoint of this run exists"
@@ -231,7 +271,7 @@ class Checkpointer:
         """Restore the checkpoint `resume` names into every registered object on every rank (or start at 0).
 
         Everything is checked before anything is restored; then the optimizer gets this run's settings back."""
-        path = find_resume_checkpoint(resume, self.out_dir)
+        path = self._agreed_checkpoint(resume)
         if path is None:
             if resume == "auto" and (self.out_dir / WEIGHTS).is_file():  # a finished run saved without checkpoints
                 raise UserError(
@@ -248,13 +288,17 @@ class Checkpointer:
         check_resume_config(saved.config, self.state.config, path)
         check_same_data(path, saved.data, self.state.data, self.card)
         check_same_sharding(path, self.fsdp)
-        config, data = self.state.config, self.state.data
+        self._check_own_random_state(path, saved.num_processes)
+        config, data, processes = self.state.config, self.state.data, self.state.num_processes
         try:
             self.accelerator.load_state(str(path))
         except Exception as e:
             raise UserError(f"cannot load checkpoint {path}: {first_line(e)}") from None
         reset_micro_step(self.accelerator)
-        self.state.config, self.state.data = config, data  # the run goes on under the config it was started with now
+        # the run goes on under the config it was started with now, in this group
+        self.state.config, self.state.data, self.state.num_processes = config, data, processes
+        if saved.num_processes and saved.num_processes != processes:
+            logger.warning(other_group_note(path, saved.num_processes, processes))
         apply_settings(optimizer, config)
         for name in changed_settings(saved.config, config):
             logger.info(f"resume: {name} {saved.config[name]} -> {config[name]}")
@@ -498,6 +542,16 @@ def tokenizer_mismatch(weights: Tokenizer, data: Tokenizer) -> str:
         return f"its {weights.name} vocabulary ({weights.vocab_size} ids) is not the data's ({data.vocab_size} ids)"
     return (
         f"its tokenizer is {weights.name} ({weights.vocab_size} ids) but the data's is {data.name} ({data.vocab_size})"
+    )
+
+
+def other_group_note(path: Path, saved_by: int, processes: int) -> str:
+    """The one line said when a checkpoint resumes in a group of another size (e.g. an elastic restart that lost
+    a node): what stays the same and what does not."""
+    return (
+        f"resume: {path} was saved by {saved_by} process(es) and resumes in {processes}: the global batches, their "
+        "order and the schedule stay the same, but the weights match an uninterrupted run only to float round-off "
+        "(gradients are summed in another order; dropout masks and Muon's bf16 rounding differ more)"
     )
 
 

@@ -45,6 +45,7 @@ from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
 from accel_gpt.rundir import RunDir
 from accel_gpt.runtime import StopSignal, make_accelerator, use_attention_backend
+from accel_gpt.shared_storage import check_shared_out_dir
 from accel_gpt.spike import SpikeGuard, check_can_skip, optimizer_step
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.tracking import MetricsLogger, resolve_trackers, show_logs_above_progress_bar
@@ -64,8 +65,9 @@ logger = get_logger(__name__)
 def train(cfg: TrainConfig) -> None:
     run_dir = RunDir(cfg)  # checks out_dir on every rank; nothing is written before run_dir.start
     accelerator = build_accelerator(cfg)
+    check_shared_out_dir(cfg.out_dir, accelerator)  # every process must see the one folder that checkpoints go to
     run = build(cfg, accelerator)
-    state = TrainState(config=cfg.to_dict(), data=run.data, spike=run.guard)
+    state = TrainState(config=cfg.to_dict(), data=run.data, spike=run.guard, num_processes=accelerator.num_processes)
     checkpointer = Checkpointer(cfg, accelerator, run.card, state, run.model)
     checkpointer.resume(cfg.resume, run.optimizer)
     evaluator = Evaluator(cfg, accelerator, run.model, run.card, run.splits)

@@ -653,6 +653,7 @@ def test_resume_under_another_world_size(from_ref: dict, ref: dict[int, Path]) -
     proc, out = from_ref["results"]["w2_to_w1"], from_ref["runs"]["w2_to_w1"][0]
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_group(proc.stderr, 1)
+    assert f"resume: {ckpt(out, 3)} was saved by 2 process(es) and resumes in 1: the global batches" in proc.stderr
     assert [r["step"] for r in rows(out)] == [4, 5, 6, 7, 8]
     expected = {r["step"]: r for r in rows(ref[1])}
     for r in rows(out):
