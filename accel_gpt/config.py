@@ -281,6 +281,9 @@ class TrainConfig(Config):
     )
     overwrite: bool = option(False, "start a new run in an out_dir that holds another run's files (they are replaced)")
     # runtime
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = option(
+        "auto", "auto: the launch's (accelerate config or flag; none under plain torchrun) | no | bf16 | fp16: this one"
+    )
     compile: bool = option(False, "torch.compile the model")
     compile_mode: CompileMode = option("default", "torch.compile mode")
     activation_checkpointing: bool = option(False, "recompute each block in backward: less memory, ~30% more compute")

@@ -11,6 +11,7 @@ names a rank.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -165,8 +166,12 @@ class Run:
 
 
 def build_accelerator(cfg: TrainConfig) -> Accelerator:
+    """The run's Accelerator. `mixed_precision` other than auto replaces the launch's, so that a launcher without an
+    Accelerate config (plain torchrun, SLURM's srun) can train in bf16."""
+    precision = {} if cfg.mixed_precision == "auto" else {"mixed_precision": cfg.mixed_precision}
     accelerator = make_accelerator(
         cfg.grad_accum_steps,
+        **precision,
         keep_memory=True,
         log_with=resolve_trackers(cfg.log_with),
         project_config=ProjectConfiguration(project_dir=cfg.out_dir, logging_dir=str(Path(cfg.out_dir) / "logs")),
@@ -176,6 +181,9 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(non_blocking=True),
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
     )
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if precision and launched not in (None, cfg.mixed_precision):
+        logger.warning(f"mixed_precision {cfg.mixed_precision} (train setting) replaces the launch's {launched}")
     use_attention_backend(cfg.attention_backend, accelerator.device)
     show_logs_above_progress_bar()
     return accelerator
