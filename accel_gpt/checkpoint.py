@@ -66,18 +66,25 @@ from accelerate.utils.constants import RNG_STATE_NAME
 
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.errors import UserError
-from accel_gpt.files import atomic_write_json, fsync_dir, fsync_tree, publish, remove
+from accel_gpt.files import atomic_write_json, fsync_dir, fsync_tree, make_shareable, publish, remove
 from accel_gpt.optim import apply_settings
 from accel_gpt.rundir import same_on_every_rank
 from accel_gpt.shared_storage import agreement, gather_views
 from accel_gpt.spike import SpikeGuard
 from accel_gpt.tokenizer import Tokenizer
-from accel_gpt.weights import MODEL_CONFIG, WEIGHTS, ModelCard, read_model_config, save_weights, write_model_config
+from accel_gpt.weights import (
+    CHECKPOINTS,
+    MODEL_CONFIG,
+    WEIGHTS,
+    ModelCard,
+    read_model_config,
+    save_weights,
+    write_model_config,
+)
 from accel_gpt.workarounds import check_pickles_are_safe, drop_tied_head, first_line, reset_micro_step
 
 logger = get_logger(__name__)
 
-CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 TMP_PREFIX = ".tmp-"  # a save in progress (or killed mid-way)
 TRASH_PREFIX = ".trash-"  # a checkpoint being deleted
@@ -222,6 +229,7 @@ class Checkpointer:
             write_model_config(tmp, card)
         else:
             save_weights(weights, card, tmp)  # with its model_config.json
+        make_shareable(tmp)  # safetensors writes the weights 0600; the folder's other files have the umask's mode
         fsync_tree(tmp)  # the data must be on disk before the marker that vouches for it
         marker = {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "val_loss": val_loss}
         atomic_write_json(tmp / COMPLETE, marker)

@@ -33,7 +33,6 @@ from accel_gpt.checkpoint import (
     Checkpointer,
     TrainState,
     best_checkpoint,
-    complete_checkpoints,
     data_identity,
     tokenizer_mismatch,
 )
@@ -51,6 +50,7 @@ from accel_gpt.spike import SpikeGuard, check_can_skip, optimizer_step
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.tracking import MetricsLogger, resolve_trackers, show_logs_above_progress_bar
 from accel_gpt.weights import (
+    CHECKPOINTS,
     MODEL_CONFIG,
     WEIGHTS,
     ModelCard,
@@ -214,13 +214,11 @@ def load_init_from(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
     a transformers GPT-2 folder or hub id (its embedding padded to vocab_size). Weights trained with another
     tokenizer than the data's are refused: their token ids would mean other text."""
     source = Path(cfg.init_from)
-    if not (source / MODEL_CONFIG).is_file() and complete_checkpoints(source):
-        source = complete_checkpoints(source)[-1]
-    if not (source / MODEL_CONFIG).is_file():
+    if not (source / MODEL_CONFIG).is_file() and not (source / CHECKPOINTS).is_dir():
         from accel_gpt.hf import load_transformers_gpt2
 
         return load_transformers_gpt2(cfg.init_from, vocab_size=cfg.vocab_size)
-    model, card = load_model(source)
+    model, card = load_model(source)  # a run dir without final weights: its newest checkpoint
     if card.tokenizer != tokenizer:
         raise ConfigError(f"init_from {source}: {tokenizer_mismatch(card.tokenizer, tokenizer)} in {cfg.data_dir}")
     return model

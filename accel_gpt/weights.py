@@ -15,6 +15,8 @@ names, without the tied `lm_head.weight` (it is `transformer.wte.weight`).
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from accel_gpt.tokenizer import Tokenizer
 WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
 TIED_HEAD = "lm_head.weight"  # stored once, as transformer.wte.weight
+CHECKPOINTS = "checkpoints"  # a run dir's folder of step_* checkpoints
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GP
     p = Path(path)
     if (p / MODEL_CONFIG).is_file():
         model, card = load_weights(p)
+    elif (p / CHECKPOINTS).is_dir():
+        model, card = load_weights(newest_checkpoint(p))
     elif (p / "config.json").is_file() or (not p.exists() and _looks_like_hub_id(str(path))):
         from accel_gpt.hf import load_transformers_gpt2
 
@@ -106,6 +111,26 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GP
             f"'{path}' is not a run dir or checkpoint ({MODEL_CONFIG} + {WEIGHTS}) nor a transformers GPT-2 folder"
         )
     return model.to(device).eval(), card
+
+
+def newest_checkpoint(run: Path) -> Path:
+    """The weights of a run dir without final weights (a run still training, or stopped before its last step): its
+    newest complete checkpoint, said once on stderr; none yet is a one-line error."""
+    from accel_gpt.checkpoint import complete_checkpoints  # checkpoint.py imports this module
+
+    done = complete_checkpoints(run)
+    if not done:
+        raise UserError(
+            f"run dir {run} has no final weights and no complete checkpoint yet: wait for its first save "
+            "(save_every), or pass a checkpoint folder"
+        )
+    if os.environ.get("RANK", "0") == "0":  # once per launch
+        print(
+            f"note: {run} has no final weights yet (a run still training, or stopped before its last step): "
+            f"using its newest checkpoint, {done[-1]}",
+            file=sys.stderr,
+        )
+    return done[-1]
 
 
 def _looks_like_hub_id(name: str) -> bool:

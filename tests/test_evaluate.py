@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.server
 import json
 import math
+import re
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -333,6 +334,23 @@ def test_one_rank_matches_the_unbatched_unpadded_reference(
     assert result["total"] == len(SEVEN) and result["num_processes"] == 1
     assert result["correct_norm"] == sum(p["pred_norm"] == r["label"] for p, r in zip(preds, SEVEN, strict=True))
     assert result["val_loss"] == pytest.approx(reference["val_loss"], abs=1e-5)
+
+
+def test_eval_says_how_many_hellaswag_examples_and_about_how_long_before_scoring(
+    tiny_checkpoint: Path, seven_path: Path, one_rank: None, capsys
+) -> None:
+    """`--limit 0` means all of them (10,042 in the real file: minutes on a CPU): the count first, then, after the
+    first batch, the time all batches should take at its pace; the JSON on stdout stays the only line there."""
+    main(["eval", "--checkpoint", str(tiny_checkpoint), "--hellaswag", str(seven_path), "--batch_size", "2"])
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    first = lines.index("HellaSwag: scoring all 7 examples (4 endings each; --limit N scores fewer)")
+    (pace,) = [i for i, line in enumerate(lines) if re.fullmatch(r"HellaSwag: about \d+ s for 4 batches at the "
+                                                                   r"first one's pace", line)]  # fmt: skip
+    assert first < pace
+    assert len(out.splitlines()) == 1 and json.loads(out)["total"] == 7
+    main(["eval", "--checkpoint", str(tiny_checkpoint), "--hellaswag", str(seven_path), "--limit", "3"])
+    assert "HellaSwag: scoring the first 3 examples" in capsys.readouterr().err
 
 
 def test_evaluation_and_sampling_ignore_the_dropout_a_model_trained_with(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, python_cmd, run_cmd, strip_byte_counts, subprocess_env, write_token_shards
+from conftest import REPO, SHAKESPEARE, python_cmd, run_cmd, strip_byte_counts, subprocess_env, write_token_shards
 
 from accel_gpt.cli import main as cli_main
 from accel_gpt.cli import parse
@@ -628,6 +628,20 @@ def test_only_sources_imports_datasets() -> None:
 
 
 # --- nothing lost, nothing silently wrong -------------------------------------------------------------------------
+
+
+def test_a_document_cut_by_val_tokens_is_reported_in_both_splits(tmp_path: Path, capsys) -> None:
+    """One document, its first 99 tokens held out: each split reports it (train marks it as begun in val), and the
+    total counts it once. Before, train said 0 documents: a document was counted where its end-of-text landed."""
+    (src := tmp_path / "one.txt").write_text(SHAKESPEARE.read_text()[:3000])
+    out = tmp_path / "out"
+    cli_main(["prepare", "--dataset", str(src), "--out_dir", str(out), "--sample_by", "document", "--val_tokens", "99"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    train = shards.read_manifest(out)["tokens"]["train"]
+    assert line.startswith(
+        f"prepared: 1 documents, {train + 99:,} tokens (train {train:,} tokens / 1 documents (1 begun in the split "
+        "before) / 1 shards, val 99 tokens / 1 documents / 1 shards)"
+    ), line
 
 
 def test_rows_without_text_are_counted_not_made_documents(tmp_path: Path, tok, capsys) -> None:

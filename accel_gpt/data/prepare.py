@@ -129,17 +129,27 @@ class Summary:
     shards: dict[str, int]
     seconds: float
     skipped_null: int = 0  # rows whose text was null or missing
+    continued: frozenset[str] = frozenset()  # splits whose first token is inside a document begun before them
 
     @classmethod
     def of(cls, status: str, data_dir: Path, manifest: dict[str, Any], seconds: float) -> Summary:
         tokens = {s: sum(e["tokens"] for e in entries) for s, entries in manifest["splits"].items()}
         counts = {s: len(entries) for s, entries in manifest["splits"].items()}
         documents = dict(manifest.get("documents", {}))
-        return cls(status, data_dir, documents, tokens, counts, seconds, int(manifest.get("skipped_null") or 0))
+        nulls = int(manifest.get("skipped_null") or 0)
+        return cls(status, data_dir, documents, tokens, counts, seconds, nulls, continued_splits(data_dir, manifest))
+
+    def _documents(self, split: str) -> str:
+        n = self.documents.get(split, 0)
+        if split in self.continued:
+            return f"{n + 1:,} documents (1 begun in the split before)"
+        return f"{n:,} documents"
 
     def line(self) -> str:
+        """`documents` counts each document once, in the split it begins in (where its end-of-text token is); a
+        split that begins inside a document (`--val_tokens` cut it) shows that document too, marked so."""
         per_split = ", ".join(
-            f"{split} {self.tokens.get(split, 0):,} tokens / {self.documents.get(split, 0):,} documents / "
+            f"{split} {self.tokens.get(split, 0):,} tokens / {self._documents(split)} / "
             f"{self.shards.get(split, 0)} shards"
             for split in sorted(self.tokens, key=lambda s: s != "train")
         )
@@ -151,6 +161,16 @@ class Summary:
             f"{self.status}: {sum(self.documents.values()):,} documents{skipped}, {total:,} tokens ({per_split}) "
             f"in {self.seconds:.1f}s{rate} -> {self.out_dir}"
         )
+
+
+def continued_splits(data_dir: Path, manifest: dict[str, Any]) -> frozenset[str]:
+    """The splits whose first shard starts inside a document: its first token is not the end-of-text that begins
+    every GPT-2 document (one token read; char data has no such marker, so it is never said)."""
+    if manifest.get("eot_position") != "before_each_document":
+        return frozenset()
+    eot = shards.tokenizer(manifest).eot_token
+    starts = {split: shards.first_token(data_dir, manifest, split) for split in manifest["splits"]}
+    return frozenset(split for split, first in starts.items() if first is not None and first != eot)
 
 
 def tokens_per_second(tokens: int, seconds: float) -> str:

@@ -334,6 +334,15 @@ def open_split(data_dir: str | Path, manifest: dict[str, Any], split: str) -> li
     ]
 
 
+def first_token(data_dir: str | Path, manifest: dict[str, Any], split: str) -> int | None:
+    """The split's first token id (one read), or None for an empty split."""
+    entries = manifest["splits"][split]
+    if not entries or not entries[0]["tokens"]:
+        return None
+    path = Path(data_dir) / entries[0]["file"]
+    return int(np.memmap(path, dtype=np.dtype(manifest["dtype"]), mode="r", shape=(1,))[0])
+
+
 def max_token_id(data_dir: str | Path, manifest: dict[str, Any], split: str) -> int:
     """The largest token id in a split: the manifest's record (`max_id` per shard, written by `prepare`), or,
     for a manifest without it, read once from the shards."""

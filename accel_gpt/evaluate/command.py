@@ -59,6 +59,9 @@ def run_eval(cfg: EvalConfig) -> None:
     if cfg.hellaswag:
         with accelerator.main_process_first():  # a hub download lands in the cache once
             examples = load_hellaswag(cfg.hellaswag, cfg.limit or None)
+        if accelerator.is_main_process:
+            which = f"the first {len(examples):,}" if cfg.limit else f"all {len(examples):,}"
+            print(f"HellaSwag: scoring {which} examples (4 endings each; --limit N scores fewer)", file=sys.stderr)
     model, card = load_model(cfg.checkpoint, accelerator.device)
     if examples is not None:
         if card.tokenizer.name != "gpt2":
@@ -79,7 +82,7 @@ def run_eval(cfg: EvalConfig) -> None:
     predictions: list[Prediction] = []
     if examples is not None:
         loader = accelerator.prepare_data_loader(hellaswag_loader(examples, card.model.seq_len, cfg.batch_size))
-        predictions = score_hellaswag(model, accelerator, loader)
+        predictions = score_hellaswag(model, accelerator, loader, estimate=True)
         result |= hellaswag_metrics(predictions)
     if windows is not None:
         val_dl = accelerator.prepare_data_loader(DataLoader(windows, batch_size=cfg.batch_size))

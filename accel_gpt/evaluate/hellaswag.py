@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
@@ -248,25 +250,37 @@ def check_vocabulary(vocab_size: int) -> None:
 
 
 @torch.no_grad()
-def score_hellaswag(model: torch.nn.Module, accelerator: Accelerator, loader: DataLoader) -> list[Prediction]:
+def score_hellaswag(
+    model: torch.nn.Module, accelerator: Accelerator, loader: DataLoader, estimate: bool = False
+) -> list[Prediction]:
     """Per-example predictions in example order, identical on every rank; every rank must call this.
 
     `loader` is a prepared `hellaswag_loader`. `model` may be the prepared one (DDP/FSDP-wrapped, compiled,
     under mixed-precision autocast): even batching gives every rank the same number of forward passes, so
-    wrappers that communicate inside forward stay in step.
+    wrappers that communicate inside forward stay in step. `estimate`: once the first batch is scored, say how
+    long all of them should take at its pace (`eval` of all 10,042 examples takes minutes on a CPU).
     """
     examples = loader.dataset.examples
     was_training = model.training
     model.eval()
     gathered: list[dict[str, torch.Tensor]] = []
     bar = tqdm(loader, desc="HellaSwag", unit="batch", leave=False, disable=not accelerator.is_main_process)
+    started = time.perf_counter()
     for batch in bar:  # 10,042 examples take minutes on a CPU: show where it is
         total, mean = candidate_losses(model, batch["tokens"], batch["mask"])
         pred_norm, pred_sum = choose(total, mean)
         result = {"position": batch["position"], "label": batch["label"], "pred_norm": pred_norm, "pred_sum": pred_sum}
         gathered.append({k: v.cpu() for k, v in accelerator.gather_for_metrics(result).items()})
+        if estimate and len(gathered) == 1 and len(loader) > 1 and accelerator.is_main_process:
+            seconds = (time.perf_counter() - started) * len(loader)
+            pace = f"HellaSwag: about {_duration(seconds)} for {len(loader):,} batches at the first one's pace"
+            tqdm.write(pace, file=sys.stderr)
     model.train(was_training)
     return _in_order(gathered, examples)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def _in_order(gathered: list[dict[str, torch.Tensor]], examples: list[Example]) -> list[Prediction]:

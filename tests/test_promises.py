@@ -1,0 +1,67 @@
+"""What a user trips on, through `run.py` as they run it: a run dir without final weights read by sample, eval and
+export; file modes in a run dir; the summary after a stop."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import python_cmd, run_cmd
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def unfinished(tiny_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run dir as a run still training (or killed) leaves it: checkpoints at steps 2 and 4, no final weights."""
+    run = Path(shutil.copytree(tiny_run, tmp_path_factory.mktemp("unfinished") / "run"))
+    (run / "model.safetensors").unlink()
+    (run / "model_config.json").unlink()
+    return run
+
+
+def test_sample_eval_and_export_of_a_run_without_final_weights_use_its_newest_checkpoint(
+    unfinished: Path, tiny_run: Path, tmp_path: Path
+) -> None:
+    """Each says so in one line and reads step 4's checkpoint: the same text, val loss and exported step as
+    pointing at that checkpoint (before: "is not a run dir")."""
+    newest = unfinished / "checkpoints" / "step_00000004"
+    note = (
+        f"note: {unfinished} has no final weights yet (a run still training, or stopped before its last step): "
+        f"using its newest checkpoint, {newest}"
+    )
+    sample = ["sample", "--prompt", "To be", "--max_new_tokens", "8", "--device", "cpu"]
+    got = run_cmd(python_cmd(*sample, "--checkpoint", str(unfinished)))
+    assert got.stderr.count(note) == 1, got.stderr
+    assert got.stdout == run_cmd(python_cmd(*sample, "--checkpoint", str(newest))).stdout
+    data_dir = yaml.safe_load((tiny_run / "config.yaml").read_text())["data_dir"]
+    scored = run_cmd(python_cmd("eval", "--checkpoint", str(unfinished), "--data_dir", data_dir))
+    assert note in scored.stderr
+    expected = run_cmd(python_cmd("eval", "--checkpoint", str(newest), "--data_dir", data_dir)).stdout
+    assert json.loads(scored.stdout.splitlines()[-1]) == json.loads(expected.splitlines()[-1])
+    exported = run_cmd(python_cmd("export", "--checkpoint", str(unfinished), "--out_dir", str(tmp_path / "hf")))
+    assert note in exported.stderr and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_a_run_dir_without_any_checkpoint_is_one_line(unfinished: Path, tmp_path: Path) -> None:
+    empty = Path(shutil.copytree(unfinished, tmp_path / "run"))
+    shutil.rmtree(empty / "checkpoints")
+    (empty / "checkpoints").mkdir()
+    proc = run_cmd(python_cmd("sample", "--checkpoint", str(empty), "--device", "cpu"), check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: run dir {empty} has no final weights and no complete checkpoint yet: wait for its first save "
+        "(save_every), or pass a checkpoint folder"
+    )
+
+
+def test_every_file_of_a_run_dir_has_the_umasks_mode(tiny_run: Path) -> None:
+    """safetensors writes its file 0600; the checkpoints' weights were left so while everything else was 0644."""
+    files = [p for p in tiny_run.rglob("*") if p.is_file() and p.name != ".lock"]
+    modes = {str(p.relative_to(tiny_run)): stat.S_IMODE(p.stat().st_mode) for p in files}
+    assert "checkpoints/step_00000004/model.safetensors" in modes
+    assert set(modes.values()) == {modes["config.yaml"]}, modes
