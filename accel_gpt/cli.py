@@ -27,7 +27,7 @@ from accel_gpt.config import (
     preset_names,
     preset_values,
 )
-from accel_gpt.errors import ConfigError, UserError
+from accel_gpt.errors import ConfigError, UserError, WindowError
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,17 @@ def main(argv: list[str] | None = None) -> None:
         module, function = COMMANDS[name].run.split(":")
         getattr(importlib.import_module(module), function)(cfg)
     except UserError as e:
-        if is_main_rank():  # every rank meets the same bad input: say it once
+        if is_main_rank() or isinstance(e, WindowError):  # every rank meets the same bad input: say it once
+            close_progress_bars()
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def close_progress_bars() -> None:
+    """End any progress bar's line first, so that the error is a line of its own, not glued to the bar."""
+    tqdm = sys.modules.get("tqdm")  # a command that drew no bar never imported it
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 def is_main_rank() -> bool:

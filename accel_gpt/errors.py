@@ -11,3 +11,7 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """Missing, truncated or mismatched token shards, or an unusable dataset."""
+
+
+class WindowError(DataError):
+    """Bad data in the windows one process reads: only that rank meets it, so every rank that does says it."""

@@ -39,7 +39,7 @@ from accel_gpt.checkpoint import (
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.data import shards
 from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
-from accel_gpt.errors import ConfigError, DataError, UserError
+from accel_gpt.errors import ConfigError, DataError
 from accel_gpt.evaluate.evaluator import Evaluator
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
@@ -88,11 +88,7 @@ def train(cfg: TrainConfig) -> None:
                 state.last_val_loss = evals.get("val_loss", state.last_val_loss)
                 log.write(rows, evals)  # a save step writes its rows first: a resume keeps the rows up to it
             if saving:
-                try:
-                    checkpointer.save(val_loss=evals.get("val_loss"))  # keep_best ranks a checkpoint by its own loss
-                except UserError:  # a save that could not write: its one line goes below the bar, not glued to it
-                    log.progress.close()
-                    raise
+                checkpointer.save(val_loss=evals.get("val_loss"))  # keep_best ranks a checkpoint by its own loss
                 log.restart_clock()
             if stopping:
                 logger.info(f"stop requested: stopped after step {state.step}; {stop_hint(cfg)}")

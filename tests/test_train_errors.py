@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,6 +118,29 @@ def test_token_id_beyond_the_model_vocabulary(capsys: pytest.CaptureFixture, tmp
     bad = small_vocab_shards(tmp_path / "bad", [*range(500), 700, *range(100)])
     err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(bad))
     assert "hold token id 700" in err and "vocab_size is 512" in err
+
+
+def test_token_id_beyond_what_the_manifest_says_is_named_with_its_shard(
+    capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """A foreign or hand-made shard whose manifest understates its ids (its max_id record says 499): the start-up
+    check trusts the record, so the id is found where the window holding it is read, at step 1: one line naming the
+    shard, the id and its position (before: a raw IndexError, a device-side assert on a GPU)."""
+    bad = small_vocab_shards(tmp_path / "bad", [700 if i % 8 == 5 else i % 500 for i in range(600)])  # every window
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["splits"]["train"][0]["max_id"] = 499
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *TINY, "--data_dir", str(bad), "--out_dir", str(tmp_path / "o"), "--eval_every", "0"])
+    assert exc.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    position = re.fullmatch(
+        f"error: shard {re.escape(str(bad / 'train_000000.bin'))} holds token id 700 at position (\\d+), but its "
+        f"manifest's vocabulary has {VOCAB} ids \\(0..{VOCAB - 1}\\): the shard is not what manifest.json describes; "
+        "prepare the data again",
+        line,
+    )
+    assert position is not None and int(position.group(1)) % 8 == 5, line
 
 
 @pytest.mark.parametrize(

@@ -31,18 +31,24 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from accel_gpt.data.shards import VerifyCache, open_split, read_manifest, verify_split
-from accel_gpt.errors import DataError
+from accel_gpt.errors import DataError, WindowError
 
 # `verify_data` (config) -> what verify_split does with the verified cache.
 VERIFY_CACHE: dict[str, VerifyCache] = {"auto": "trust", "full": "refresh", "ignore": "ignore"}
 
 
 class TokenWindows(Dataset):
-    """Map-style dataset of (x, y) windows of one split, indexed in storage order."""
+    """Map-style dataset of (x, y) windows of one split, indexed in storage order.
+
+    Every window's ids are checked against the manifest's vocabulary as it is read (a max over seq_len + 1 ids,
+    nothing beside a forward pass): a shard whose manifest understates its ids would otherwise index past the
+    embedding, an IndexError on a CPU and a device-side assert on a GPU, naming neither shard nor id."""
 
     def __init__(self, data_dir: str | Path, split: str, seq_len: int, manifest: dict[str, Any] | None = None):
         self.manifest = manifest if manifest is not None else read_manifest(data_dir)
         self.shards = open_split(data_dir, self.manifest, split)
+        self.files = [Path(data_dir) / e["file"] for e in self.manifest["splits"][split]]
+        self.vocab_size = int(self.manifest["vocab_size"])
         self.seq_len = seq_len
         counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self.offsets = np.cumsum([0, *counts])  # window i lives in shard k where offsets[k] <= i < offsets[k+1]
@@ -58,7 +64,16 @@ class TokenWindows(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = int(np.searchsorted(self.offsets, i, side="right")) - 1
         start = (int(i) - int(self.offsets[k])) * self.seq_len
-        window = torch.from_numpy(self.shards[k][start : start + self.seq_len + 1].astype(np.int64))
+        ids = self.shards[k][start : start + self.seq_len + 1]
+        if int(ids.max()) >= self.vocab_size:
+            at = int(np.flatnonzero(ids >= self.vocab_size)[0])
+            raise WindowError(
+                f"shard {self.files[k]} holds token id {ids[at]} at position {start + at:,}, but its manifest's "
+                "vocabulary has "
+                f"{self.vocab_size} ids (0..{self.vocab_size - 1}): the shard is not what manifest.json describes; "
+                "prepare the data again"
+            )
+        window = torch.from_numpy(ids.astype(np.int64))
         return window[:-1], window[1:]
 
 
