@@ -49,7 +49,7 @@ def export(
     if card.model.vocab_size < GPT2_VOCAB:
         raise UserError(f"{path} has vocab_size={card.model.vocab_size}, fewer than GPT-2's {GPT2_VOCAB} tokens")
     hf_model = to_transformers(model, vocab_size=GPT2_VOCAB)
-    hf_model.generation_config = generation_config(card.model.seq_len)
+    hf_model.generation_config = generation_config()
     readme = model_card(path, card, hf_model.num_parameters(), license, title or out.name, load_as or str(out_dir))
     vocab, merges = gpt2_vocab_and_merges()
     # byte-level BPE with <|endoftext|> as bos/eos/unk, as GPT-2's own tokenizer

@@ -88,14 +88,14 @@ def gpt2_config(cfg: GPTConfig, vocab_size: int | None = None) -> GPT2Config:
     )
 
 
-def generation_config(n_positions: int) -> GenerationConfig:
+def generation_config() -> GenerationConfig:
     """The defaults of `generate` and `pipeline` for an export: GPT-2's end-of-text as bos, eos and pad (GPT-2 has
-    no pad token), and `max_length` = the position table, so that a call without a length stops at the end of the
-    context instead of running into positions the model has no row for. An explicit `max_new_tokens` replaces
-    `max_length` in transformers, and past the table its embedding lookup fails: the model card says so."""
+    no pad token). No `max_length`, as in OpenAI's GPT-2: transformers warns at every call that passes
+    `max_new_tokens` (the usual way) when the model's config sets one, so a call without a length takes
+    transformers' default (20 tokens, prompt included); the model card says how far the window goes."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(bos_token_id=GPT2_EOT, eos_token_id=GPT2_EOT, pad_token_id=GPT2_EOT, max_length=n_positions)
+    return GenerationConfig(bos_token_id=GPT2_EOT, eos_token_id=GPT2_EOT, pad_token_id=GPT2_EOT)
 
 
 def to_transformers(model: GPT, vocab_size: int | None = None) -> GPT2LMHeadModel:

@@ -305,10 +305,9 @@ def _usage_section(seq_len: int, load_as: str) -> list[str]:
         f'generate = pipeline("text-generation", model={json.dumps(load_as)})\n'
         f'print(generate("ROMEO:", max_new_tokens={new}, do_sample=True, top_k=50)[0]["generated_text"])\n```',
         f"The model reads at most {seq_len} tokens: its position table has {seq_len} rows (`n_positions`). "
-        f"`generation_config.json` sets `max_length: {seq_len}`, so `generate` and `pipeline` called without a "
-        "length stop there, prompt included, and every call stops at `<|endoftext|>` (`eos_token_id`), where a "
-        "training document ended. `max_new_tokens` replaces that limit (transformers warns that both are set): "
-        f"keep the prompt's tokens plus `max_new_tokens` within {seq_len}. Past it there is no position for the "
+        "Every call stops at `<|endoftext|>` (`eos_token_id`), where a training document ended; a call without a "
+        "length stops at transformers' default of 20 tokens, prompt included. "
+        f"Keep the prompt's tokens plus `max_new_tokens` within {seq_len}: past it there is no position for the "
         "next token, and transformers, "
         'after warning that the call "exceeded the model\'s predefined maximum length", fails with '
         "`IndexError: index out of range in self`. (accel_gpt's own `run.py sample` slides the window instead: "
