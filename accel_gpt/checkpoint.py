@@ -214,7 +214,8 @@ class Checkpointer:
         error = same_on_every_rank(self.accelerator, error)
         if error is not None:
             if self.accelerator.is_main_process:
-                remove(tmp)  # gives the space back; the published checkpoints were never touched
+                with contextlib.suppress(OSError):  # in a folder gone read-only this fails too
+                    remove(tmp)  # gives the space back; the published checkpoints were never touched
             raise self._save_failed(final, error)
         if self.accelerator.is_main_process:
             prune(self.out_dir, self.keep, self.keep_best)
@@ -333,10 +334,13 @@ def write_failure(folder: Path, write: Callable[[], object]) -> str | None:
     """Run `write`; None when it worked, else why it could not write into `folder`, in words.
 
     A full disk reaches us as torch's `basic_ios::clear: iostream error` or safetensors' own error type, neither an
-    OSError with ENOSPC: what the free space says decides. Other failures that are not failed writes propagate."""
+    OSError with ENOSPC: what the free space says decides (a folder gone read-only is asked first). Other failures
+    that are not failed writes propagate."""
     try:
         write()
     except Exception as e:
+        if (isinstance(e, OSError) and e.errno == errno.EROFS) or not os.access(folder, os.W_OK):
+            return f"{folder} has become read-only"
         with contextlib.suppress(OSError):
             if shutil.disk_usage(folder).free < FULL_DISK_BYTES:
                 return "no space left on the device"

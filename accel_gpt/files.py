@@ -7,6 +7,7 @@ and the rename made durable by an fsync of the folder. A reader sees the old fil
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -40,7 +41,8 @@ def replacing(path: str | Path) -> Iterator[Path]:
         yield tmp
         publish(tmp, path)
     finally:
-        remove(tmp)
+        with contextlib.suppress(OSError):  # a folder gone read-only fails this too: the write's error is the news
+            remove(tmp)
 
 
 def atomic_write(path: str | Path, data: bytes | str) -> None:
@@ -96,11 +98,12 @@ def make_shareable(path: Path) -> None:
 
 
 def remove(path: Path) -> None:
-    """Delete a file or a folder tree if it exists."""
+    """Delete a file or a folder tree if it exists (a missing one is not unlinked: on a read-only file system that
+    fails with EROFS, not ENOENT)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    elif os.path.lexists(path):
+        path.unlink()
 
 
 def remove_temporaries(folder: Path) -> list[Path]:

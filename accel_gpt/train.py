@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +34,19 @@ from accel_gpt.checkpoint import (
     Checkpointer,
     TrainState,
     best_checkpoint,
+    complete_checkpoints,
     data_identity,
     tokenizer_mismatch,
+    write_failure,
 )
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.data import shards
 from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
-from accel_gpt.errors import ConfigError, DataError
+from accel_gpt.errors import ConfigError, DataError, UserError
 from accel_gpt.evaluate.evaluator import Evaluator
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
-from accel_gpt.rundir import RunDir
+from accel_gpt.rundir import RunDir, same_on_every_rank
 from accel_gpt.runtime import StopSignal, make_accelerator, use_attention_backend
 from accel_gpt.shared_storage import check_shared_out_dir
 from accel_gpt.spike import SpikeGuard, check_can_skip, optimizer_step
@@ -296,18 +299,32 @@ def describe(cfg: TrainConfig, accelerator: Accelerator, run: Run) -> str:
 
 def save_final(cfg: TrainConfig, accelerator: Accelerator, run: Run, state: TrainState) -> str:
     """Final weights in the run directory: the last step's, or with `final_weights best` those of the checkpoint
-    with the lowest val loss (kept by its pruning). Every rank takes part (FSDP gathers). Returns what they are."""
+    with the lowest val loss (kept by its pruning). Every rank takes part (FSDP gathers). Returns what they are; a
+    write that fails (a full disk, a folder gone read-only) stops every rank with one line."""
     best = best_checkpoint(cfg.out_dir) if cfg.final_weights == "best" else None
     best_step = read_model_config(best[0]).step if best is not None else None
     if best is not None and best_step != state.step:
+        state_dict, card = None, None
         if accelerator.is_main_process:
             model, card = load_weights(best[0])
-            save_weights(model.state_dict(), card, Path(cfg.out_dir))
+            state_dict = model.state_dict()
         what = f"step {best_step}'s, the lowest val_loss ({best[1]:.4f})"
     else:
         state_dict = accelerator.get_state_dict(run.model)
-        if accelerator.is_main_process:
-            save_weights(state_dict, ModelCard(run.card.model, run.card.tokenizer, state.step), Path(cfg.out_dir))
+        card = ModelCard(run.card.model, run.card.tokenizer, state.step)
         what = f"step {state.step}'s" + (", whose val_loss is the lowest" if best is not None else "")
-    accelerator.wait_for_everyone()
+    error = None
+    if accelerator.is_main_process:
+        error = write_failure(Path(cfg.out_dir), partial(save_weights, state_dict, card, Path(cfg.out_dir)))
+    error = same_on_every_rank(accelerator, error)
+    if error is not None:
+        raise UserError(f"cannot write the final weights {Path(cfg.out_dir) / WEIGHTS}: {error}; {final_hint(cfg)}")
     return f"{WEIGHTS} holds {what} weights"
+
+
+def final_hint(cfg: TrainConfig) -> str:
+    """What is left when the final weights could not be written, and what to do."""
+    done = complete_checkpoints(cfg.out_dir)
+    if not done:
+        return "no checkpoint holds them (save_every 0), so they are lost: make room, then train again"
+    return f"the newest checkpoint, {done[-1]}, is intact: make room, then run again with --resume auto to write them"

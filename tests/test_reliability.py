@@ -388,6 +388,54 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
 
 
+def test_a_full_disk_for_the_weights_file_or_the_final_weights_is_one_line(data: Path, small_disk: Path) -> None:
+    """96 KiB: not even the first checkpoint's weights file fits (the first big file, written by safetensors, whose
+    error is its own type), nor the final weights of a run with save_every 0. One line each, no temporary left."""
+    subprocess.run(["mount", "-o", "remount,size=96k", str(small_disk)], check=True)
+    out = small_disk / "run"
+    proc = train(data, out, "--max_steps", "2", "--save_every", "1", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors(proc.stderr) == [
+        f"error: cannot save checkpoint {ckpt(out, 1)}: no space left on the device; the run stopped after step 1 "
+        "and no earlier checkpoint of this run exists: make room (or fix the folder), then continue with --resume auto"
+    ]
+    assert checkpoints(out) == []
+    final = small_disk / "final"
+    proc = train(data, final, "--max_steps", "2", "--save_every", "0", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors(proc.stderr) == [
+        f"error: cannot write the final weights {final / 'model.safetensors'}: no space left on the device; no "
+        "checkpoint holds them (save_every 0), so they are lost: make room, then train again"
+    ]
+    assert sorted(p.name for p in final.iterdir()) == [".lock", "accelerate_env.txt", "config.yaml", "metrics.jsonl"]
+
+
+def test_a_folder_turned_read_only_during_a_run_is_one_line(data: Path, small_disk: Path) -> None:
+    """`checkpoints/` made read-only (a bind mount remounted ro) while the run is paused before step 3: the save of
+    step 4 fails in one line naming the intact step 2, and the cleanup, which fails on a read-only folder too, adds
+    no traceback."""
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)  # room: only read-only fails
+    out = small_disk / "run"
+    args = flags(data, out, "--max_steps", "6", "--save_every", "2")
+    folder = out / "checkpoints"
+    try:
+        with paused(1, "--pause_at 3", args, small_disk.parent) as p:
+            subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+            assert p.finish() == 2, p.output[-3000:]
+            output = p.output
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+    assert "Traceback" not in output, output[-3000:]
+    (line,) = errors(output)
+    assert line == (
+        f"error: cannot save checkpoint {ckpt(out, 4)}: {folder} has become read-only; the run stopped after step 4 "
+        f"and the previous checkpoint, {ckpt(out, 2)}, is intact: make room (or fix the folder), then continue with "
+        "--resume auto"
+    )
+    assert checkpoints(out) == ["step_00000002"]
+
+
 # ------------------------------------------------------------------------------------------ 7. divergence
 
 
