@@ -65,6 +65,7 @@ from accelerate.utils import DistributedType, gather_object
 from accelerate.utils.constants import RNG_STATE_NAME
 
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
+from accel_gpt.data.shards import sha256_file
 from accel_gpt.errors import UserError
 from accel_gpt.files import atomic_write_json, fsync_dir, fsync_tree, make_shareable, publish, remove
 from accel_gpt.optim import apply_settings
@@ -233,6 +234,7 @@ class Checkpointer:
         make_shareable(tmp)  # safetensors writes the weights 0600; the folder's other files have the umask's mode
         fsync_tree(tmp)  # the data must be on disk before the marker that vouches for it
         marker = {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "val_loss": val_loss}
+        marker["sha256"] = checksums(tmp)  # a resume verifies them: damage that still reads must not load silently
         atomic_write_json(tmp / COMPLETE, marker)
         if final.exists():  # the same step saved again (e.g. resumed from an older checkpoint by path)
             _remove(final)
@@ -279,7 +281,8 @@ class Checkpointer:
     def resume(self, resume: str, optimizer: torch.optim.Optimizer) -> None:
         """Restore the checkpoint `resume` names into every registered object on every rank (or start at 0).
 
-        Everything is checked before anything is restored; then the optimizer gets this run's settings back."""
+        Everything is checked before anything is restored (its files against the checksums its marker recorded,
+        too), the loaded weights must be finite; then the optimizer gets this run's settings back."""
         path = self._agreed_checkpoint(resume)
         if path is None:
             if resume == "auto" and (self.out_dir / WEIGHTS).is_file():  # a finished run saved without checkpoints
@@ -298,11 +301,16 @@ class Checkpointer:
         check_same_data(path, saved.data, self.state.data, self.card)
         check_same_sharding(path, self.fsdp)
         self._check_own_random_state(path, saved.num_processes)
+        error = same_on_every_rank(self.accelerator, damage(path) if self.accelerator.is_main_process else None)
+        if error is not None:
+            raise UserError(error)
         config, data, processes = self.state.config, self.state.data, self.state.num_processes
         try:
             self.accelerator.load_state(str(path))
         except Exception as e:
             raise UserError(f"cannot load checkpoint {path}: {first_line(e)}") from None
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):  # saved before a check could catch it
+            raise UserError(damaged(path, "its weights hold NaN or infinite values"))
         reset_micro_step(self.accelerator)
         # the run goes on under the config it was started with now, in this group
         self.state.config, self.state.data, self.state.num_processes = config, data, processes
@@ -370,6 +378,34 @@ def _remove_leftovers(root: Path) -> None:
     for p in root.iterdir():
         if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             shutil.rmtree(p, ignore_errors=True)
+
+
+def checksums(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder`, by relative path (what `COMPLETE` vouches for)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE)
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in files}
+
+
+def damage(checkpoint: Path) -> str | None:
+    """The one line saying how a complete checkpoint's files differ from the checksums its marker recorded (None:
+    they match, or it is from before checksums were recorded)."""
+    recorded = (read_marker(checkpoint) or {}).get("sha256")
+    if not isinstance(recorded, dict):
+        return None
+    for name, digest in recorded.items():
+        file = checkpoint / name
+        if not file.is_file():
+            return damaged(checkpoint, f"{name} is missing")
+        if sha256_file(file) != digest:
+            return damaged(checkpoint, f"{name} differs from the file it held when it was saved (sha256)")
+    return None
+
+
+def damaged(checkpoint: Path, what: str) -> str:
+    done = complete_checkpoints(checkpoint.parent.parent)
+    earlier = [p for p in done if p.name < checkpoint.name]
+    before = f"resume from the one before it by path: --resume {earlier[-1]}" if earlier else "no earlier one is kept"
+    return f"checkpoint {checkpoint} is damaged: {what}; {before}"
 
 
 def read_marker(checkpoint: Path) -> dict[str, Any] | None:

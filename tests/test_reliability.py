@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import REPO, accelerate_cmd, python_cmd, run_cmd, subprocess_env, write_token_shards
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from accel_gpt.config import TrainConfig
 from accel_gpt.files import LOCK
@@ -434,6 +435,57 @@ def test_a_folder_turned_read_only_during_a_run_is_one_line(data: Path, small_di
         "--resume auto"
     )
     assert checkpoints(out) == ["step_00000002"]
+
+
+@pytest.fixture(scope="module")
+def saved_twice(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run with checkpoints at steps 2 and 4 (both kept)."""
+    out = tmp_path_factory.mktemp("twice") / "run"
+    train(data, out, "--max_steps", "4", "--save_every", "2", "--keep_checkpoints", "0")
+    return out
+
+
+def test_a_checkpoint_damaged_but_readable_is_refused_naming_the_one_before(saved_twice: Path, tmp_path: Path) -> None:
+    """Bytes of step 4's weights changed in place (the file still loads): its marker's checksums catch it before
+    anything is restored; one line names step 2, and resuming from step 2 by path works."""
+    out = Path(shutil.copytree(saved_twice, tmp_path / "run"))
+    weights = ckpt(out, 4) / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-8:] = bytes(8)  # the last float32 values of the last tensor: still a valid file
+    weights.write_bytes(raw)
+    assert load_file(str(weights))  # readable
+    proc = train(data_of(out), out, "--max_steps", "6", "--save_every", "2", "--resume", "auto", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert errors(proc.stderr) == [
+        f"error: checkpoint {ckpt(out, 4)} is damaged: model.safetensors differs from the file it held when it was "
+        f"saved (sha256); resume from the one before it by path: --resume {ckpt(out, 2)}"
+    ]
+    resumed = train(data_of(out), out, "--max_steps", "6", "--save_every", "2", "--resume", str(ckpt(out, 2)))
+    assert f"resumed from {ckpt(out, 2)} at step 2" in resumed.stderr
+
+
+def test_non_finite_weights_in_a_checkpoint_without_checksums_are_refused(saved_twice: Path, tmp_path: Path) -> None:
+    """A checkpoint from before checksums were recorded, whose weights hold a NaN: refused after loading, before the
+    first step, naming the one before it (a resume from it would diverge at once, and the divergence message would
+    send the user back to it)."""
+    out = Path(shutil.copytree(saved_twice, tmp_path / "run"))
+    marker = ckpt(out, 4) / "COMPLETE"
+    marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items() if k != "sha256"}))
+    weights = ckpt(out, 4) / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = sorted(tensors)[0]
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(weights))
+    proc = train(data_of(out), out, "--max_steps", "6", "--save_every", "2", "--resume", "auto", check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert errors(proc.stderr) == [
+        f"error: checkpoint {ckpt(out, 4)} is damaged: its weights hold NaN or infinite values; resume from the one "
+        f"before it by path: --resume {ckpt(out, 2)}"
+    ]
+
+
+def data_of(run: Path) -> Path:
+    return Path(yaml.safe_load((run / "config.yaml").read_text())["data_dir"])
 
 
 # ------------------------------------------------------------------------------------------ 7. divergence
