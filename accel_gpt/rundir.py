@@ -11,7 +11,10 @@ The rules, and why:
   before the new run writes anything, so nothing of the two runs mixes.
 - `resume: auto` or a checkpoint path continues the run the folder holds.
 - The main process holds `files.locked(out_dir, "train")` for the whole run, so a second training into the same
-  folder is refused in one line naming the holder. The kernel drops the lock when the holder dies, however it dies.
+  folder is refused in one line naming the holder. The kernel drops the lock when the holder dies, however it dies,
+  so the group torchrun starts after a failure (`--max_restarts`) takes over the lock of the one it replaces.
+- A launch that torchrun may restart (`--max_restarts N`) must resume with `auto`: each restart runs the same
+  command again, and only `auto` continues from the newest checkpoint.
 
 `RunDir(cfg)` makes the checks on every rank before anything is built: they only read, so a refused run changes
 nothing (not even the lock file: the lock is probed read-only). `RunDir.start` takes the lock and writes
@@ -24,7 +27,7 @@ import contextlib
 import fcntl
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,7 @@ class RunDir:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg, self.path = cfg, Path(cfg.out_dir)
         check_out_dir(cfg.out_dir)
+        check_restartable(cfg.resume)
         probe_lock(self.path)
         self._check_new_run()
 
@@ -118,17 +122,35 @@ def check_out_dir(out_dir: str) -> None:
         raise UserError(f"out_dir {path} cannot be written: {where} read-only")
 
 
+def check_restartable(resume: str, env: Mapping[str, str] = os.environ) -> None:
+    """Refuse a launch that torchrun may restart unless it resumes with `auto` (one line, before anything is built).
+
+    A restart runs the launch's command again: a new run (`resume: none`) would then be refused by the files of its
+    own first attempt (or, with `overwrite`, start again from step 0), and a checkpoint path would take the run back
+    to that step at every restart."""
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))  # set by torchrun (and accelerate launch) in workers
+    if restarts > 0 and resume != "auto":
+        raise UserError(
+            f"--max_restarts {restarts} restarts the group with this same command, which then must continue the run: "
+            f"pass --resume auto (not --resume {resume})"
+        )
+
+
 def probe_lock(folder: Path) -> None:
     """Refuse a folder another process trains in, without taking the lock (read-only: a refusal changes nothing).
 
     `start` takes the lock for real before the first write; this only names a busy folder before minutes of
-    building."""
+    building. Every rank of a launch probes at the same moment, so the probe asks for a *shared* lock: shared
+    locks never exclude each other, and only a holder of the exclusive one (a run training here) refuses it. An
+    exclusive probe made two ranks of one launch refuse each other whenever their probes overlapped (the message
+    then named the previous run, whose pid the file still holds). A shared lock also works on a read-only file
+    descriptor where flock is emulated by POSIX locks (NFS), where an exclusive one fails with EBADF."""
     path = folder / LOCK
     if not path.is_file():
         return
     with open(path) as f:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = f.read().strip() or "another process"
             message = f"{folder} is in use by {holder} (train refused); wait for it or use another folder"

@@ -2,7 +2,8 @@
 
 `make_accelerator` forms one process group of the size the launch asked for, on whatever devices the
 launch gave (the Accelerate config decides; nothing here names a rank or a device). Under an FSDP launch it hands
-Accelerate the launch's FSDP settings with one change, gradients reduced in fp32 (`fsdp_plugin`).
+Accelerate the launch's FSDP settings with one change, gradients reduced in fp32 (`fsdp_plugin`). Under torchrun's
+elastic restarts it gives each attempt of the group a store namespace of its own (`ElasticLaunch`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +39,9 @@ def make_accelerator(
     fsdp = fsdp_plugin(kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     if cpu and keep_memory:  # training's fixed shapes reuse the kept buffers; eval's varying ones fragment them
         keep_freed_memory()
-    state = PartialState(cpu=cpu)
+    launch = ElasticLaunch.from_env()
+    group = launch.group_kwargs() if launch is not None and not dist.is_initialized() else {}
+    state = PartialState(cpu=cpu, **group)  # Accelerate hands `group` to init_process_group
     check_group(state)
     steps = accumulation(state.num_processes) if accumulation else 1
     plugin = GradientAccumulationPlugin(num_steps=steps, sync_with_dataloader=False)
@@ -45,7 +49,87 @@ def make_accelerator(
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32)
         torch.backends.cudnn.allow_tf32 = True
+    warning = launch.restart_warning() if launch is not None else None
+    if warning and accelerator.is_main_process:
+        sys.stderr.write(f"warning: {warning}\n")
     return accelerator
+
+
+@dataclass(frozen=True)
+class ElasticLaunch:
+    """What torchrun's elastic agent tells each worker it starts, read from the worker's environment
+    (torch/distributed/elastic/agent/server/local_elastic_agent.py, `_start_workers`).
+
+    Why it matters: with `--max_restarts N` the agent replaces a failed group by a new one, whose ranks form their
+    process group through a TCP store. Unless `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set under c10d rendezvous,
+    that store is the launcher's own (`shared_store`), which outlives every attempt: the static rendezvous (the
+    accelerate configs' and accelerate's default) keeps one store for the launcher's whole life, and c10d (also
+    `torchrun --standalone`) keeps the one it made at its first round. Gloo and NCCL publish each rank's address or
+    communicator id there under fixed keys, so the dead group's entries are still in place when the new group
+    starts: a rank that looks a peer up before the peer has written its new entry reads the dead process's (Gloo:
+    `connectFullMesh failed ... Connection refused`; NCCL: it waits for a communicator that no longer exists).
+
+    On one machine (one launcher: `machines == 1`), every worker of an attempt is told the same restart count and
+    the count grows with each restart, so a key prefix per count gives each attempt a store of its own without
+    anything from the user (`group_kwargs`). With several launchers the count is not shared: under c10d a launcher
+    whose workers were healthy restarts them without counting it, so only a fresh store per attempt works there;
+    c10d with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` makes one (the new group's rank 0 hosts it on a new port), which
+    `restart_warning` asks for.
+    """
+
+    restart: int  # TORCHELASTIC_RESTART_COUNT: 0 for the first group, then one more per restart
+    max_restarts: int  # TORCHELASTIC_MAX_RESTARTS: the launch's --max_restarts
+    machines: int  # GROUP_WORLD_SIZE: launchers (one per machine) in this group
+    shared_store: bool  # TORCHELASTIC_USE_AGENT_STORE: the workers meet in the launcher's store
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> ElasticLaunch | None:
+        """The launch this process was started by, or None when torchrun's agent did not start it."""
+        if "TORCHELASTIC_RUN_ID" not in env or "MASTER_PORT" not in env:
+            return None
+        return cls(
+            restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+            machines=int(env.get("GROUP_WORLD_SIZE", "1")),
+            shared_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            rank=int(env.get("RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env["MASTER_PORT"]),
+        )
+
+    @property
+    def own_namespace(self) -> bool:
+        """Whether this group forms in a namespace of its own in the launcher's store (see the class)."""
+        return self.shared_store and self.machines == 1 and self.max_restarts > 0 and self.world_size > 1
+
+    def group_kwargs(self) -> dict[str, Any]:
+        """`init_process_group` arguments: the launcher's store under this attempt's prefix; {} for torch's own
+        `env://` rendezvous, which is right when there are no restarts or the store is new for each attempt."""
+        if not self.own_namespace:
+            return {}
+        from torch.distributed.constants import default_pg_timeout
+
+        store = dist.TCPStore(  # a client, as env:// makes it: the launcher hosts this store
+            self.master_addr, self.master_port, self.world_size, is_master=False, timeout=default_pg_timeout
+        )
+        prefixed = dist.PrefixStore(f"accel_gpt/attempt_{self.restart}", store)  # keys become PREFIX/key
+        return {"store": prefixed, "rank": self.rank, "world_size": self.world_size}
+
+    def restart_warning(self) -> str | None:
+        """One line when this launch can restart its group but the group meets in a store that outlives it."""
+        if not (self.shared_store and self.machines > 1 and self.max_restarts > 0):
+            return None
+        return (
+            f"max_restarts {self.max_restarts} over {self.machines} machines: a restarted group would meet in the "
+            "launcher's store, where the failed group's addresses are still written, and can hang or fail to connect; "
+            "launch with --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment of every "
+            "machine (README: Resume and elastic restarts)"
+        )
 
 
 def fsdp_plugin(mixed_precision: str) -> FullyShardedDataParallelPlugin | None:

@@ -316,6 +316,15 @@ def check_accelerate_launch(argv: list[str]) -> None:
     check_run_py(args.training_script_args)
 
 
+def check_torchrun(argv: list[str]) -> None:
+    """A plain torchrun launch of run.py: torchrun's own parser, then ours on the training arguments."""
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    assert args.training_script == "run.py"
+    check_run_py(args.training_script_args)
+
+
 def check_pip_install(words: list[str]) -> None:
     tomllib = pytest.importorskip("tomllib")
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -355,6 +364,8 @@ def check_command(command: str) -> None:
             check_run_py(words[2:] if words[0] == "python" else words[1:])
         elif words[:2] == ["accelerate", "launch"]:
             check_accelerate_launch(words[2:])
+        elif words[0] == "torchrun":
+            check_torchrun(words[1:])
         elif words[:2] == ["srun", "bash"]:
             assert words[2] == "-c" and len(words) == 4
             check_command(words[3])
@@ -392,6 +403,8 @@ def test_every_readme_command_is_checked() -> None:
             "eight_gpus.yaml",
         ),
         ("accelerate launch --restarts 3 run.py train --config gpt2-124m", "does not parse"),
+        ("torchrun --standalone --nproc-per-node 2 run.py train --config tiny-gpu", "did you mean tiny-cpu"),
+        ("torchrun --restarts 3 run.py train --config tiny-cpu", "does not parse"),
         ('pip install -e ".[plots]"', "no such extra"),
         ("python run.py new-command", "does not parse"),
         ("python bench/train_throughput.py --find_max_batches 124m", "has no --find_max_batches"),

@@ -9,6 +9,7 @@ test_reliability.py.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import subprocess
 from collections.abc import Iterator
@@ -20,9 +21,9 @@ from safetensors.torch import load_file
 
 from accel_gpt.cli import main
 from accel_gpt.config import TrainConfig
-from accel_gpt.errors import ConfigError
-from accel_gpt.files import locked
-from accel_gpt.rundir import RUN_FILES
+from accel_gpt.errors import ConfigError, UserError
+from accel_gpt.files import LOCK, locked
+from accel_gpt.rundir import RUN_FILES, probe_lock
 
 VOCAB = 256
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--vocab_size", str(VOCAB)]
@@ -117,6 +118,22 @@ def test_a_folder_in_use_is_refused_without_touching_its_lock(
         err = refused(capsys, out, data, "--resume", "auto")
         assert f"{out} is in use by pid {os.getpid()}" in err
         assert snapshot(out) == before  # the lock file still names the holder
+
+
+def test_probes_of_one_launch_never_refuse_each_other(tmp_path: Path) -> None:
+    """Every rank probes the lock at the same moment before anything is built. A probe caught while it holds the
+    lock (here: a shared lock held on its own open file, as a probe holds it) must not refuse the other ranks'
+    probes, whatever pid the file names (the previous run's); the run's real lock still refuses them, and is taken
+    once the probe is over."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK).write_text("pid 1 on the previous run's host")
+    with open(out / LOCK) as probing:
+        fcntl.flock(probing, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        probe_lock(out)
+    with locked(out, "train"):
+        with pytest.raises(UserError, match=f"{out} is in use by pid {os.getpid()} on "):
+            probe_lock(out)
 
 
 def test_overwrite_cannot_be_combined_with_resume() -> None:

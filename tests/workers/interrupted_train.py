@@ -1,7 +1,7 @@
 """`run.py train` with test controls that let a test interrupt it at an exact point.
 
     python tests/workers/interrupted_train.py CONTROL_DIR [--pause_at N] [--pause_in_save N] [--die_once_at N]
-        -- train flags...
+        [--die_at CALL:RANK,...] [--late_after_restart SECONDS] -- train flags...
 
 Counts are per process, from 1: call N of `train_step` is the N-th optimizer step this process runs.
 
@@ -11,6 +11,11 @@ Counts are per process, from 1: call N of `train_step` is the N-th optimizer ste
   the temporary folder, before the checkpoint is published, and waits the same way (a kill "while saving").
 - `--die_once_at N`: the last rank SIGKILLs itself before its N-th step, unless CONTROL_DIR/died exists (it is
   written first), so an elastic restart of the group runs through.
+- `--die_at CALL:RANK,...`: one kill per attempt of an elastic group: in attempt i (torchrun's
+  TORCHELASTIC_RESTART_COUNT) the i-th entry's rank SIGKILLs itself before its CALL-th step, after writing
+  CONTROL_DIR/died_{i}; attempts beyond the list run through.
+- `--late_after_restart SECONDS`: in a restarted group the last rank waits SECONDS before starting, so the other
+  ranks form the group first: the moment at which a store that kept the failed group's addresses fails them.
 
 Each process writes CONTROL_DIR/pid_{rank}: torchrun starts every worker in its own session, so a test that
 means to kill "everything" must signal the workers' process groups as well as the launcher's.
@@ -39,9 +44,17 @@ def wait_for_release(control: Path) -> None:
         time.sleep(0.01)
 
 
+def kill_plan(die_at: str, attempt: int) -> tuple[int, int] | None:
+    """(call, rank) of this attempt's kill in a `--die_at` list, or None."""
+    entries = [tuple(int(n) for n in entry.split(":")) for entry in die_at.split(",") if entry]
+    return entries[attempt] if attempt < len(entries) else None
+
+
 def wrap_train_step(args: argparse.Namespace, rank: int, world_size: int) -> None:
     original = train_module.train_step
     calls = 0
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    plan = kill_plan(args.die_at, attempt)
 
     def train_step(*a, **kw):
         nonlocal calls
@@ -50,6 +63,9 @@ def wrap_train_step(args: argparse.Namespace, rank: int, world_size: int) -> Non
             wait_for_release(args.control)
         if calls == args.die_once_at and rank == world_size - 1 and not (args.control / "died").exists():
             (args.control / "died").write_text(f"rank {rank} step call {calls}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if plan == (calls, rank):
+            (args.control / f"died_{attempt}").write_text(f"rank {rank} step call {calls}")
             os.kill(os.getpid(), signal.SIGKILL)
         return original(*a, **kw)
 
@@ -78,8 +94,12 @@ if __name__ == "__main__":
     parser.add_argument("--pause_at", type=int, default=0)
     parser.add_argument("--pause_in_save", type=int, default=0)
     parser.add_argument("--die_once_at", type=int, default=0)
+    parser.add_argument("--die_at", default="")
+    parser.add_argument("--late_after_restart", type=float, default=0.0)
     args = parser.parse_args(sys.argv[1:split])
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == world_size - 1 > 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        time.sleep(args.late_after_restart)
     (args.control / f"pid_{rank}").write_text(str(os.getpid()))
     wrap_train_step(args, rank, world_size)
     wrap_save_state(args, rank)
