@@ -284,6 +284,9 @@ class TrainConfig(Config):
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = option(
         "auto", "auto: the launch's (accelerate config or flag; none under plain torchrun) | no | bf16 | fp16: this one"
     )
+    dist_timeout: int = option(
+        0, "seconds a collective waits for every process before the run fails (0: torch's, 10 min NCCL, 30 Gloo)"
+    )
     compile: bool = option(False, "torch.compile the model")
     compile_mode: CompileMode = option("default", "torch.compile mode")
     activation_checkpointing: bool = option(False, "recompute each block in backward: less memory, ~30% more compute")
@@ -299,9 +302,18 @@ class TrainConfig(Config):
         at_least(self, 0, "warmup_steps", "eval_every", "eval_steps", "hellaswag_every", "hellaswag_limit")
         windows, steps, batch = self.eval_windows, self.eval_steps, self.micro_batch_size
         self.eval_windows, self.eval_steps = resolve_eval_windows(windows, steps, batch)
-        at_least(self, 0, "eval_windows")
+        at_least(self, 0, "eval_windows", "dist_timeout")
         at_least(self, 0, "sample_tokens", "save_every", "keep_checkpoints", "num_workers", "weight_decay")
-        at_least(self, 0, "grad_clip", "loss_chunk", "schedule_steps", "spike_loss_zscore", "spike_grad_zscore")
+        at_least(
+            self,
+            0,
+            "dist_timeout",
+            "grad_clip",
+            "loss_chunk",
+            "schedule_steps",
+            "spike_loss_zscore",
+            "spike_grad_zscore",
+        )
         at_least(self, SPIKE_MIN_HISTORY, "spike_window")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"decay_fraction={self.decay_fraction} must be in (0, 1]")

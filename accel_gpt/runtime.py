@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,12 +28,17 @@ from accel_gpt.workarounds import check_fsdp_can_run, check_group, cpu_only
 
 
 def make_accelerator(
-    accumulation: Callable[[int], int] | None = None, keep_memory: bool = False, **kwargs: Any
+    accumulation: Callable[[int], int] | None = None,
+    keep_memory: bool = False,
+    timeout: timedelta | None = None,
+    **kwargs: Any,
 ) -> Accelerator:
     """An Accelerator on the launch's devices; `accumulation(world_size)` gives the micro-steps per optimizer step.
 
     Raises if the group is smaller than WORLD_SIZE. The training stream is endless, so gradients sync on
-    the accumulation count alone, never at "the end of the dataloader".
+    the accumulation count alone, never at "the end of the dataloader". `timeout`: how long a collective waits for
+    every rank before it fails (None: torch's defaults). The group is formed here, before the Accelerator, so
+    Accelerate's `InitProcessGroupKwargs` would come too late for it.
     """
     cpu = cpu_only()
     check_fsdp_can_run(cpu)
@@ -40,7 +46,9 @@ def make_accelerator(
     if cpu and keep_memory:  # training's fixed shapes reuse the kept buffers; eval's varying ones fragment them
         keep_freed_memory()
     launch = ElasticLaunch.from_env()
-    group = launch.group_kwargs() if launch is not None and not dist.is_initialized() else {}
+    group = launch.group_kwargs(timeout) if launch is not None and not dist.is_initialized() else {}
+    if timeout is not None:
+        group["timeout"] = timeout
     state = PartialState(cpu=cpu, **group)  # Accelerate hands `group` to init_process_group
     check_group(state)
     steps = accumulation(state.num_processes) if accumulation else 1
@@ -107,7 +115,7 @@ class ElasticLaunch:
         """Whether this group forms in a namespace of its own in the launcher's store (see the class)."""
         return self.shared_store and self.machines == 1 and self.max_restarts > 0 and self.world_size > 1
 
-    def group_kwargs(self) -> dict[str, Any]:
+    def group_kwargs(self, timeout: timedelta | None = None) -> dict[str, Any]:
         """`init_process_group` arguments: the launcher's store under this attempt's prefix; {} for torch's own
         `env://` rendezvous, which is right when there are no restarts or the store is new for each attempt."""
         if not self.own_namespace:
@@ -115,7 +123,7 @@ class ElasticLaunch:
         from torch.distributed.constants import default_pg_timeout
 
         store = dist.TCPStore(  # a client, as env:// makes it: the launcher hosts this store
-            self.master_addr, self.master_port, self.world_size, is_master=False, timeout=default_pg_timeout
+            self.master_addr, self.master_port, self.world_size, is_master=False, timeout=timeout or default_pg_timeout
         )
         prefixed = dist.PrefixStore(f"accel_gpt/attempt_{self.restart}", store)  # keys become PREFIX/key
         return {"store": prefixed, "rank": self.rank, "world_size": self.world_size}

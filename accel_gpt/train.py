@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,7 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
         cfg.grad_accum_steps,
         **precision,
         keep_memory=True,
+        timeout=timedelta(seconds=cfg.dist_timeout) if cfg.dist_timeout else None,
         log_with=resolve_trackers(cfg.log_with),
         project_config=ProjectConfiguration(project_dir=cfg.out_dir, logging_dir=str(Path(cfg.out_dir) / "logs")),
         # The schedule is a function of the optimizer step; a prepared scheduler would otherwise step

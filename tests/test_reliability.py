@@ -488,6 +488,22 @@ def data_of(run: Path) -> Path:
     return Path(yaml.safe_load((run / "config.yaml").read_text())["data_dir"])
 
 
+def test_dist_timeout_turns_a_rank_that_never_comes_into_an_error(data: Path, tmp_path: Path) -> None:
+    """Rank 0 paused before step 3 and never released: rank 1 waits in step 3's collectives, and with
+    `--dist_timeout 5` its Gloo wait fails after 5 s, so the launcher tears the group down (exit non-zero) instead of
+    both waiting for torch's 30 minutes."""
+    out = tmp_path / "run"
+    args = flags(data, out, "--max_steps", "6", "--save_every", "0", "--dist_timeout", "5")
+    with paused(2, "--pause_at 3", args, tmp_path) as p:
+        started = time.monotonic()
+        code = p.proc.wait(timeout=120)
+        waited = time.monotonic() - started
+        output = p.output
+    assert code != 0 and waited < 100, (code, waited, output[-3000:])
+    assert "2 process(es) on cpu" in output
+    assert "Timed out" in output or "timed out" in output or "Timeout" in output, output[-3000:]
+
+
 # ------------------------------------------------------------------------------------------ 7. divergence
 
 
