@@ -241,9 +241,8 @@ class StopSignal:
         if self.flag:
             return
         self.flag, self.first = True, signum
-        self._say(
-            f"{signal.Signals(signum).name}: finishing the current step, then saving and exiting (Ctrl-C again: abort)"
-        )
+        again = " (Ctrl-C again: abort)" if signum == signal.SIGINT else ""  # a repeated SIGTERM is taken as one
+        self._say(f"{signal.Signals(signum).name}: finishing the current step, then saving and exiting{again}")
 
     def _say(self, message: str) -> None:
         if self.speak:

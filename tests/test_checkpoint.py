@@ -465,6 +465,7 @@ def test_w1_sigterm_saves_at_the_stop_step_and_exits_0(w1_chain: dict) -> None:
     assert f"resumed from {ckpt(w1_chain['run'], 3)} at step 3" in w1_chain["term_out"]
     assert "stop requested: stopped after step 4" in w1_chain["term_out"]
     assert "(metrics.jsonl, config.yaml, checkpoints/; no final weights yet)" in w1_chain["term_out"]  # none written
+    assert "SIGTERM: finishing the current step, then saving and exiting\n" in w1_chain["term_out"]  # no "Ctrl-C"
     assert w1_chain["after_term"] == (["step_00000003", "step_00000004"], [1, 2, 3, 4])
 
 

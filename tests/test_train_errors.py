@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,6 +119,29 @@ def test_token_id_beyond_the_model_vocabulary(capsys: pytest.CaptureFixture, tmp
     bad = small_vocab_shards(tmp_path / "bad", [*range(500), 700, *range(100)])
     err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(bad))
     assert "hold token id 700" in err and "vocab_size is 512" in err
+
+
+def test_a_run_that_stopped_before_its_first_step_does_not_block_its_own_command(
+    capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """Bad data found after the run claimed its folder (an id beyond the manifest's vocabulary, read at step 1)
+    leaves config.yaml; once the data is fixed, the same command trains (before: "holds another run")."""
+    data, out = tmp_path / "data", tmp_path / "o"
+    small_vocab_shards(data, [700 if i % 8 == 5 else i % 500 for i in range(600)])
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["splits"]["train"][0]["max_id"] = 499
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    command = ["train", *TINY, "--data_dir", str(data), "--out_dir", str(out), "--eval_every", "0"]
+    with pytest.raises(SystemExit):
+        main(command)
+    assert (out / "config.yaml").is_file() and not (out / "model.safetensors").exists()
+    shutil.rmtree(data)
+    small_vocab_shards(data, [i % 500 for i in range(600)])  # the data fixed
+    capsys.readouterr()
+    with caplog.at_level("INFO"):
+        main(command)
+    assert "a run that stopped before its first step: removed the earlier run's config.yaml" in caplog.text
+    assert (out / "model.safetensors").is_file()
 
 
 def test_token_id_beyond_what_the_manifest_says_is_named_with_its_shard(
