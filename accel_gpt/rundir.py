@@ -6,8 +6,8 @@ The rules, and why:
   existing file, not a path under a file, not in a read-only place. These fail at the first write otherwise,
   after minutes of start-up, or worse, in the middle of a run.
 - A new run (`resume: none`) refuses a folder that holds another run's files (`RUN_FILES`): its final weights,
-  config.yaml and metrics.jsonl would be silently replaced or mixed with the new run's. A run that stopped before
-  its first step (`never_stepped`) holds nothing to lose: its files are replaced, and the log says so.
+  config.yaml and metrics.jsonl would be silently replaced or mixed with the new run's. A run of the same config that
+  stopped before its first step (`never_stepped`) holds nothing to lose: its files are replaced, and the log says so.
   `overwrite: true` removes those files (only those: nothing the trainer does not write) once every check has
   passed and the lock is held, before the new run writes anything, so nothing of the two runs mixes.
 - `resume: auto` or a checkpoint path continues the run the folder holds.
@@ -92,7 +92,7 @@ class RunDir:
     def _check_new_run(self) -> list[str]:
         """A new run's folder holds no other run, or `overwrite` says to replace it; returns the files to replace."""
         old = run_files(self.path) if self.cfg.resume == "none" else []
-        if old and not self.cfg.overwrite and not never_stepped(self.path):
+        if old and not self.cfg.overwrite and not never_stepped(self.path, self.cfg):
             raise UserError(
                 f"out_dir {self.path} holds another run ({', '.join(old)}); pass --resume auto to continue it, "
                 "--overwrite true to replace it, or use a new out_dir"
@@ -181,16 +181,21 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
     return data
 
 
-def never_stepped(folder: Path) -> bool:
-    """A run that stopped before its first step (e.g. on bad data found after it claimed the folder) leaves its
-    config.yaml and launch report but no weights, no checkpoint and no metrics row: nothing a new run would lose,
-    so re-running the command after the fix is not refused as "another run"."""
+def never_stepped(folder: Path, cfg: TrainConfig) -> bool:
+    """A run of this very config that stopped before its first step (e.g. on bad data found after it claimed the
+    folder): it left config.yaml and its launch report but no weights, no checkpoint and no metrics row, nothing a
+    new run would lose, so running the command again after the fix is not refused as "another run"."""
     if any((folder / name).exists() for name in ("model.safetensors", "model_config.json")):
         return False
     if any((folder / "checkpoints").glob("step_*")) or any((folder / "checkpoints").glob("retired-*")):
         return False
     metrics = folder / "metrics.jsonl"
-    return not metrics.exists() or not metrics.read_text(errors="replace").strip()
+    if metrics.exists() and metrics.read_text(errors="replace").strip():
+        return False
+    try:
+        return read_run_config(folder) == yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    except UserError:  # no config.yaml, or not one of ours
+        return False
 
 
 def run_files(folder: Path) -> list[str]:

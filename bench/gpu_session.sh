@@ -55,7 +55,7 @@ if [ -n "${DRY_RUN:-}" ]; then  # the same commands at sizes a CPU runs in secon
     tiny=(--flags "--n_layer 1 --n_head 1 --n_embd 16 --seq_len 16")
     model=(--model tiny-cpu)
     e2e=(--n_layer 2 --n_head 4 --n_embd 64 --seq_len 64 --micro_batch_size 4 --total_batch_size 256 --compile false
-        --eval_steps 2 --hellaswag_limit 20)
+        --eval_windows 8 --hellaswag_limit 20)
     fsdp_e2e=(--n_layer 2 --n_head 4 --n_embd 64 --seq_len 64 --micro_batch_size 4 --total_batch_size 512)  # refused
     limit=(--limit 20)
 else
@@ -101,7 +101,7 @@ print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
     data=$("$PY" bench/benchlib.py --text "$text")
     # 65,536 tokens per step (one micro-step of 64 x 1024), evaluation, HellaSwag and a checkpoint along the way
     train=(train --config gpt2-124m --data_dir "$data" --out_dir "$run" --total_batch_size 65536 --max_steps 100
-        --warmup_steps 10 --eval_every 25 --eval_steps 4 --hellaswag "$hellaswag" --hellaswag_every 50
+        --warmup_steps 10 --eval_every 25 --eval_windows 256 --hellaswag "$hellaswag" --hellaswag_every 50
         --hellaswag_limit 1000 --save_every 20 --log_every 5 "${e2e[@]}")
     echo "=== $(date +%T) ${launch[*]} ${train[*]}, SIGKILL a few seconds after its first checkpoint" | tee -a "$log"
     timeout -s KILL 130 "${launch[@]}" "${train[@]}" >>"$log" 2>&1 &
@@ -134,7 +134,7 @@ print('transformers reads the export:', repr(tok.decode(ids[0])))"
     rm -rf "$frun" runs/gpu-fsdp-export
     fsdp=("$PY" -m accelerate.commands.launch --config_file accelerate_configs/fsdp.yaml --num_processes 1 run.py)
     ftrain=(train --config gpt2-medium --n_layer 6 --data_dir "$data" --out_dir "$frun" --total_batch_size 32768
-        --micro_batch_size 16 --max_steps 20 --warmup_steps 5 --eval_every 10 --eval_steps 2 --hellaswag "$hellaswag"
+        --micro_batch_size 16 --max_steps 20 --warmup_steps 5 --eval_every 10 --eval_windows 32 --hellaswag "$hellaswag"
         --hellaswag_every 10 --hellaswag_limit 200 --save_every 10 --log_every 5 --compile false
         --activation_checkpointing true "${fsdp_e2e[@]}")
     echo "=== $(date +%T) ${fsdp[*]} ${ftrain[*]}, SIGTERM to its worker after its first checkpoint" | tee -a "$log"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,13 @@ def test_every_file_of_a_run_dir_has_the_umasks_mode(tiny_run: Path) -> None:
     modes = {str(p.relative_to(tiny_run)): stat.S_IMODE(p.stat().st_mode) for p in files}
     assert "checkpoints/step_00000004/model.safetensors" in modes
     assert set(modes.values()) == {modes["config.yaml"]}, modes
+
+
+def test_the_readmes_virtual_environment_is_ignored_by_git() -> None:
+    """The README's install makes `.venv` inside the clone; unignored, `git status` listed the whole environment."""
+    repo = Path(__file__).resolve().parent.parent
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    probe = subprocess.run(["git", "check-ignore", "-q", ".venv/lib/site.py"], cwd=repo, capture_output=True)
+    assert probe.returncode == 0, "the README's .venv is not in .gitignore"
+    assert "python3 -m venv .venv" in (repo / "README.md").read_text()

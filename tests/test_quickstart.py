@@ -266,7 +266,8 @@ def test_readme_resume_continues_the_run(quickstart: QuickStart, tmp_path: Path)
 def test_two_cpu_processes_train_like_one(quickstart: QuickStart) -> None:
     """The README's 2-process CPU launch (cpu_2proc.yaml), then its plot comparing it with the quick start."""
     work, _ = quickstart
-    out = run_readme(readme_command("OMP_NUM_THREADS=1 accelerate launch", "--config tiny-cpu"), work, FEW_STEPS).stderr
+    launch = "OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_2proc.yaml run.py"
+    out = run_readme(readme_command(launch, "--config tiny-cpu"), work, FEW_STEPS).stderr
     assert "2 process(es)" in out and "finished at step 3/3" in out
     one, two = metrics(work / "runs" / "tiny-cpu"), metrics(work / "runs" / "tiny-cpu-2proc")
     assert [r["lr"] for r in two] == [r["lr"] for r in one]

@@ -393,21 +393,23 @@ def test_a_full_disk_for_the_weights_file_or_the_final_weights_is_one_line(data:
     """96 KiB: not even the first checkpoint's weights file fits (the first big file, written by safetensors, whose
     error is its own type), nor the final weights of a run with save_every 0. One line each, no temporary left."""
     subprocess.run(["mount", "-o", "remount,size=96k", str(small_disk)], check=True)
-    out = small_disk / "run"
-    proc = train(data, out, "--max_steps", "2", "--save_every", "1", check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert errors(proc.stderr) == [
+
+    def the_error(out: Path, save_every: str) -> str:
+        proc = train(data, out, "--max_steps", "2", "--save_every", save_every, check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        (line,) = errors(proc.stderr)
+        return line
+
+    out, final = small_disk / "run", small_disk / "final"
+    assert the_error(out, "1") == (
         f"error: cannot save checkpoint {ckpt(out, 1)}: no space left on the device; the run stopped after step 1 "
         "and no earlier checkpoint of this run exists: make room (or fix the folder), then continue with --resume auto"
-    ]
+    )
     assert checkpoints(out) == []
-    final = small_disk / "final"
-    proc = train(data, final, "--max_steps", "2", "--save_every", "0", check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert errors(proc.stderr) == [
+    assert the_error(final, "0") == (
         f"error: cannot write the final weights {final / 'model.safetensors'}: no space left on the device; no "
         "checkpoint holds them (save_every 0), so they are lost: make room, then train again"
-    ]
+    )
     assert sorted(p.name for p in final.iterdir()) == [".lock", "accelerate_env.txt", "config.yaml", "metrics.jsonl"]
 
 
