@@ -304,16 +304,7 @@ class TrainConfig(Config):
         self.eval_windows, self.eval_steps = resolve_eval_windows(windows, steps, batch)
         at_least(self, 0, "eval_windows", "dist_timeout")
         at_least(self, 0, "sample_tokens", "save_every", "keep_checkpoints", "num_workers", "weight_decay")
-        at_least(
-            self,
-            0,
-            "dist_timeout",
-            "grad_clip",
-            "loss_chunk",
-            "schedule_steps",
-            "spike_loss_zscore",
-            "spike_grad_zscore",
-        )
+        at_least(self, 0, "grad_clip", "loss_chunk", "schedule_steps", "spike_loss_zscore", "spike_grad_zscore")
         at_least(self, SPIKE_MIN_HISTORY, "spike_window")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"decay_fraction={self.decay_fraction} must be in (0, 1]")
