@@ -75,9 +75,12 @@ from accel_gpt.spike import SpikeGuard
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.weights import (
     CHECKPOINTS,
+    COMPLETE,
     MODEL_CONFIG,
     WEIGHTS,
     ModelCard,
+    complete_checkpoints,
+    read_marker,
     read_model_config,
     save_weights,
     write_model_config,
@@ -86,7 +89,6 @@ from accel_gpt.workarounds import check_pickles_are_safe, drop_tied_head, first_
 
 logger = get_logger(__name__)
 
-COMPLETE = "COMPLETE"
 TMP_PREFIX = ".tmp-"  # a save in progress (or killed mid-way)
 TRASH_PREFIX = ".trash-"  # a checkpoint being deleted
 RETIRED_PREFIX = "retired-"  # checkpoints of an abandoned line (after a rollback by path)
@@ -406,33 +408,6 @@ def damaged(checkpoint: Path, what: str) -> str:
     earlier = [p for p in done if p.name < checkpoint.name]
     before = f"resume from the one before it by path: --resume {earlier[-1]}" if earlier else "no earlier one is kept"
     return f"checkpoint {checkpoint} is damaged: {what}; {before}"
-
-
-def read_marker(checkpoint: Path) -> dict[str, Any] | None:
-    """The `COMPLETE` marker of a checkpoint folder, or None when it is missing or unreadable (truncated, garbled):
-    such a folder is incomplete, as nothing vouches for it."""
-    try:
-        marker = json.loads((Path(checkpoint) / COMPLETE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return marker if isinstance(marker, dict) and isinstance(marker.get("step"), int) else None
-
-
-def complete_checkpoints(out_dir: str | Path, warn: bool = False) -> list[Path]:
-    """Complete checkpoints, oldest first. A folder whose marker exists but is unreadable is always named (it is
-    not what a crash leaves); with `warn`, also the folders without a marker."""
-    root = Path(out_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    done = []
-    for p in sorted(root.glob("step_*")):
-        if read_marker(p) is not None:
-            done.append(p)
-        elif (p / COMPLETE).exists():
-            logger.warning(f"skipping checkpoint {p}: its {COMPLETE} marker is unreadable, so it counts as incomplete")
-        elif warn:
-            logger.warning(f"skipping incomplete checkpoint {p} (no {COMPLETE} marker: its save did not finish)")
-    return done
 
 
 def prune(out_dir: str | Path, keep: int, keep_best: bool) -> None:

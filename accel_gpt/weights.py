@@ -15,6 +15,7 @@ names, without the tied `lm_head.weight` (it is `transformer.wte.weight`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -30,8 +31,11 @@ from accel_gpt.tokenizer import Tokenizer
 
 WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
+logger = logging.getLogger(__name__)
+
 TIED_HEAD = "lm_head.weight"  # stored once, as transformer.wte.weight
 CHECKPOINTS = "checkpoints"  # a run dir's folder of step_* checkpoints
+COMPLETE = "COMPLETE"  # a checkpoint's marker, written last: the folder is complete
 
 
 @dataclass(frozen=True)
@@ -116,21 +120,56 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GP
 def newest_checkpoint(run: Path) -> Path:
     """The weights of a run dir without final weights (a run still training, or stopped before its last step): its
     newest complete checkpoint, said once on stderr; none yet is a one-line error."""
-    from accel_gpt.checkpoint import complete_checkpoints  # checkpoint.py imports this module
-
     done = complete_checkpoints(run)
     if not done:
         raise UserError(
             f"run dir {run} has no final weights and no complete checkpoint yet: wait for its first save "
             "(save_every), or pass a checkpoint folder"
         )
-    if os.environ.get("RANK", "0") == "0":  # once per launch
+    if _first_rank():
         print(
             f"note: {run} has no final weights yet (a run still training, or stopped before its last step): "
             f"using its newest checkpoint, {done[-1]}",
             file=sys.stderr,
         )
     return done[-1]
+
+
+def read_marker(checkpoint: Path) -> dict[str, Any] | None:
+    """The `COMPLETE` marker of a checkpoint folder, or None when it is missing or unreadable (truncated, garbled):
+    such a folder is incomplete, as nothing vouches for it."""
+    try:
+        marker = json.loads((Path(checkpoint) / COMPLETE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("step"), int) else None
+
+
+def complete_checkpoints(out_dir: str | Path, warn: bool = False) -> list[Path]:
+    """Complete checkpoints, oldest first. A folder whose marker exists but is unreadable is always named (it is
+    not what a crash leaves); with `warn`, also the folders without a marker."""
+    root = Path(out_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    done = []
+    for p in sorted(root.glob("step_*")):
+        if read_marker(p) is not None:
+            done.append(p)
+        elif (p / COMPLETE).exists():
+            _warn(f"skipping checkpoint {p}: its {COMPLETE} marker is unreadable, so it counts as incomplete")
+        elif warn:
+            _warn(f"skipping incomplete checkpoint {p} (no {COMPLETE} marker: its save did not finish)")
+    return done
+
+
+def _first_rank() -> bool:
+    """Rank 0 of a launch, or a process alone: this module's notes are said once, with or without an Accelerator."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _warn(message: str) -> None:
+    if _first_rank():
+        logger.warning(message)
 
 
 def _looks_like_hub_id(name: str) -> bool:
