@@ -9,7 +9,9 @@ nothing else:
 
 The same pair sits in the run directory (final weights) and in every checkpoint folder, so any of
 them can be pointed at with `--checkpoint`. The weights are stored under the GPT's own parameter
-names, without the tied `lm_head.weight` (it is `transformer.wte.weight`).
+names, without the tied `lm_head.weight` (it is `transformer.wte.weight`). A checkpoint folder counts once its
+`COMPLETE` marker is readable (`complete_checkpoints`); a run dir without final weights (still training, or stopped
+early) is read as its newest complete checkpoint.
 """
 
 from __future__ import annotations
