@@ -250,11 +250,8 @@ class Checkpointer:
             path = find_resume_checkpoint(resume, self.out_dir)
         except UserError as e:
             error = str(e)
-        error = any_rank_error(self.accelerator, error)
-        if error is None:
-            error = agreement(gather_views(self.accelerator, path))
-        if error is not None:
-            raise UserError(error)
+        stop_together(self.accelerator, error)
+        stop_together(self.accelerator, agreement(gather_views(self.accelerator, path)))
         return path
 
     def _check_own_random_state(self, path: Path, saved_by: int) -> None:
@@ -268,9 +265,7 @@ class Checkpointer:
                 f"checkpoint {path} lacks {own.name}, the random state of rank {rank} of the {saved_by} processes "
                 f"that saved it: it is damaged; resume from an earlier checkpoint by path"
             )
-        error = any_rank_error(self.accelerator, error)
-        if error is not None:
-            raise UserError(error)
+        stop_together(self.accelerator, error)
 
     def _save_failed(self, final: Path, reason: str) -> UserError:
         done = complete_checkpoints(self.out_dir)
@@ -303,9 +298,7 @@ class Checkpointer:
         check_same_data(path, saved.data, self.state.data, self.card)
         check_same_sharding(path, self.fsdp)
         self._check_own_random_state(path, saved.num_processes)
-        error = same_on_every_rank(self.accelerator, damage(path) if self.accelerator.is_main_process else None)
-        if error is not None:
-            raise UserError(error)
+        stop_together(self.accelerator, damage(path) if self.accelerator.is_main_process else None)
         config, data, processes = self.state.config, self.state.data, self.state.num_processes
         try:
             self.accelerator.load_state(str(path))
@@ -365,6 +358,13 @@ def any_rank_error(accelerator: Accelerator, error: str | None) -> str | None:
     if accelerator.num_processes == 1:
         return error
     return next((e for e in gather_object([error]) if e is not None), None)
+
+
+def stop_together(accelerator: Accelerator, error: str | None) -> None:
+    """Raise the first rank's error on every rank (collective): all stop with the same line, none waits."""
+    error = any_rank_error(accelerator, error)
+    if error is not None:
+        raise UserError(error)
 
 
 def _remove(path: Path) -> None:

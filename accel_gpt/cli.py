@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 import typing
 from dataclasses import MISSING, dataclass, fields
@@ -27,7 +26,7 @@ from accel_gpt.config import (
     preset_names,
     preset_values,
 )
-from accel_gpt.errors import ConfigError, UserError, WindowError
+from accel_gpt.errors import ConfigError, UserError, WindowError, is_main_rank
 
 
 @dataclass(frozen=True)
@@ -108,12 +107,6 @@ def close_progress_bars() -> None:
     tqdm = sys.modules.get("tqdm")  # a command that drew no bar never imported it
     for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
         bar.close()
-
-
-def is_main_rank() -> bool:
-    """Rank 0 of a launch (RANK, set by torchrun) or a process started alone, read without building any state."""
-    rank = os.environ.get("RANK", "0")
-    return not rank.isdigit() or int(rank) == 0
 
 
 def parse(argv: list[str]) -> tuple[str, Config]:

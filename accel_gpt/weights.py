@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from accel_gpt.errors import UserError
+from accel_gpt.errors import UserError, is_main_rank
 from accel_gpt.files import atomic_write_json, make_shareable, replacing
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.tokenizer import Tokenizer
@@ -128,7 +127,7 @@ def newest_checkpoint(run: Path) -> Path:
             f"run dir {run} has no final weights and no complete checkpoint yet: wait for its first save "
             "(save_every), or pass a checkpoint folder"
         )
-    if _first_rank():
+    if is_main_rank():
         print(
             f"note: {run} has no final weights yet (a run still training, or stopped before its last step): "
             f"using its newest checkpoint, {done[-1]}",
@@ -164,13 +163,9 @@ def complete_checkpoints(out_dir: str | Path, warn: bool = False) -> list[Path]:
     return done
 
 
-def _first_rank() -> bool:
-    """Rank 0 of a launch, or a process alone: this module's notes are said once, with or without an Accelerator."""
-    return os.environ.get("RANK", "0") == "0"
-
-
 def _warn(message: str) -> None:
-    if _first_rank():
+    """Said once per launch, with or without an Accelerator."""
+    if is_main_rank():
         logger.warning(message)
 
 
