@@ -8,8 +8,10 @@ elastic restarts it gives each attempt of the group a store namespace of its own
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401  before any group forms: see `release_group_at_exit`
 from accelerate import Accelerator, PartialState
 from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 
@@ -51,6 +54,7 @@ def make_accelerator(
         group["timeout"] = timeout
     state = PartialState(cpu=cpu, **group)  # Accelerate hands `group` to init_process_group
     check_group(state)
+    release_group_at_exit()
     steps = accumulation(state.num_processes) if accumulation else 1
     plugin = GradientAccumulationPlugin(num_steps=steps, sync_with_dataloader=False)
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_plugin=plugin, fsdp_plugin=fsdp, **kwargs)
@@ -61,6 +65,33 @@ def make_accelerator(
     if warning and accelerator.is_main_process:
         sys.stderr.write(f"warning: {warning}\n")
     return accelerator
+
+
+_HELD_GROUPS: list[Any] = []  # the default group, held by `release_group_at_exit` until the exit handler drops it
+
+
+def release_group_at_exit() -> None:
+    """Free the default process group at exit, while threads may still take the GIL, not during finalization.
+
+    Left to the interpreter's last garbage collection, the group's Gloo worker threads outlive the point where Python
+    refuses them the GIL, and one still dropping a finished collective's tensors (freeing their Python objects needs
+    it) is unwound inside a destructor: std::terminate, SIGABRT, a finished run's launch fails. Exit handlers run
+    before that point: this one collects the finished command's objects (the DDP model and its reducer hold the
+    group), so the reference kept here is the group's last, and dropping it makes torch free the group with the GIL
+    released, its workers finishing and joined (were the reducer's the last, the group would be freed with the GIL
+    held, waiting on a worker that waits for it). torch.distributed.nn.functional is imported with this module
+    because its functions' `group=group.WORLD` defaults are evaluated at import, and DDP imports it: imported
+    after the group formed, it would hold the group for the life of the process.
+    """
+    if _HELD_GROUPS or not dist.is_initialized():
+        return
+    _HELD_GROUPS.append(dist.group.WORLD)
+
+    def release() -> None:
+        gc.collect()  # the finished command's models, their DDP reducers among them
+        _HELD_GROUPS.clear()
+
+    atexit.register(release)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-"""The launched processes form one group, or the run stops with a clear error."""
+"""The launched processes form one group, or the run stops with a clear error; the group is freed before exit."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 from conftest import accelerate_cmd, run_cmd
 
@@ -23,3 +25,19 @@ def test_group_smaller_than_launch_is_refused() -> None:
     proc = _launch("--pretend-gpu", ACCELERATE_USE_CPU="0")
     assert proc.returncode != 0
     assert "launched 2 processes (WORLD_SIZE) but the Accelerator formed a group of 1" in proc.stderr
+
+
+def test_group_threads_are_gone_before_the_interpreter_finalizes(tmp_path: Path, shakespeare_shards: Path) -> None:
+    """A finished W=2 run frees its group in an exit handler, not in finalization's garbage collection, where a Gloo
+    worker still freeing a collective's tensors aborted the process (SIGABRT after a finished run, now and then)."""
+    flags = ["--config", "tiny-cpu", "--max_steps", "2", "--micro_batch_size", "2", "--eval_every", "2"]
+    flags += ["--eval_windows", "4", "--sample_tokens", "0", "--log_with", "none"]
+    flags += ["--data_dir", str(shakespeare_shards), "--out_dir", str(tmp_path / "run")]
+    launch = accelerate_cmd(2, "x")[:-2]  # the launcher prefix, without "run.py x"
+    proc = run_cmd([*launch, "tests/workers/exit_threads.py", str(tmp_path), "train", *flags], check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es) on cpu" in proc.stderr
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        assert record["group_threads"] >= 2, record  # the transport loop and at least one worker
+        assert record["alive"] == [], record
