@@ -3,7 +3,8 @@
 `make_accelerator` forms one process group of the size the launch asked for, on whatever devices the
 launch gave (the Accelerate config decides; nothing here names a rank or a device). Under an FSDP launch it hands
 Accelerate the launch's FSDP settings with one change, gradients reduced in fp32 (`fsdp_plugin`). Under torchrun's
-elastic restarts it gives each attempt of the group a store namespace of its own (`ElasticLaunch`).
+elastic restarts it gives each attempt of the group a store namespace of its own (`ElasticLaunch`). The group is
+freed at exit, before the interpreter's finalization (`release_group_at_exit`).
 """
 
 from __future__ import annotations
