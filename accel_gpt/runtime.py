@@ -82,13 +82,16 @@ def release_group_at_exit() -> None:
     released, its workers finishing and joined (were the reducer's the last, the group would be freed with the GIL
     held, waiting on a worker that waits for it). torch.distributed.nn.functional is imported with this module
     because its functions' `group=group.WORLD` defaults are evaluated at import, and DDP imports it: imported
-    after the group formed, it would hold the group for the life of the process.
+    after the group formed, it would hold the group for the life of the process. A command stopped by an error left
+    its group formed: a Gloo group is ended here too (ending it waits on no peer; NCCL's may, so that is left alone).
     """
     if _HELD_GROUPS or not dist.is_initialized():
         return
     _HELD_GROUPS.append(dist.group.WORLD)
 
     def release() -> None:
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            dist.destroy_process_group()  # a command that failed left it formed; Gloo's ending waits on no peer
         gc.collect()  # the finished command's models, their DDP reducers among them
         _HELD_GROUPS.clear()
 
