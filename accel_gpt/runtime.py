@@ -16,6 +16,7 @@ import gc
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -72,18 +73,20 @@ _HELD_GROUPS: list[Any] = []  # the default group, held by `release_group_at_exi
 
 
 def release_group_at_exit() -> None:
-    """Free the default process group at exit, while threads may still take the GIL, not during finalization.
+    """Free the default process group in an exit handler, while threads may still take the GIL.
 
-    Left to the interpreter's last garbage collection, the group's Gloo worker threads outlive the point where Python
-    refuses them the GIL, and one still dropping a finished collective's tensors (freeing their Python objects needs
-    it) is unwound inside a destructor: std::terminate, SIGABRT, a finished run's launch fails. Exit handlers run
-    before that point: this one collects the finished command's objects (the DDP model and its reducer hold the
-    group), so the reference kept here is the group's last, and dropping it makes torch free the group with the GIL
-    released, its workers finishing and joined (were the reducer's the last, the group would be freed with the GIL
-    held, waiting on a worker that waits for it). torch.distributed.nn.functional is imported with this module
-    because its functions' `group=group.WORLD` defaults are evaluated at import, and DDP imports it: imported
-    after the group formed, it would hold the group for the life of the process. A command stopped by an error left
-    its group formed: a Gloo group is ended here too (ending it waits on no peer; NCCL's may, so that is left alone).
+    Left to the interpreter's finalization, the group's Gloo worker threads outlive the point where Python refuses
+    them the GIL, and one still dropping a finished collective's tensors (freeing their Python objects needs it) is
+    unwound inside a destructor: std::terminate, SIGABRT, and a finished run's launch fails now and then.
+
+    The handler collects the finished command's objects (the DDP model and its reducer hold the group), so the
+    reference kept here is the group's last: dropping it makes torch free the group with the GIL released, its
+    workers finishing and joined (were the reducer's the last, it would be freed holding the GIL, waiting on a worker
+    that waits for it). torch.distributed.nn.functional is imported before any group forms because its functions'
+    `group=group.WORLD` defaults are evaluated at import, and DDP imports it: the group would be held for good.
+    Under FSDP, DTensor's caches hold the group to the end, so the handler only lets go of the GIL for a moment,
+    long enough for such a worker. A command stopped by an error left its group formed: a Gloo group is ended here
+    too (ending it waits on no peer; ending NCCL's may, so that is left alone).
     """
     if _HELD_GROUPS or not dist.is_initialized():
         return
@@ -93,7 +96,10 @@ def release_group_at_exit() -> None:
         if dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()  # a command that failed left it formed; Gloo's ending waits on no peer
         gc.collect()  # the finished command's models, their DDP reducers among them
+        held_elsewhere = sys.getrefcount(_HELD_GROUPS[0]) > 2  # more than the list's reference and the argument
         _HELD_GROUPS.clear()
+        if held_elsewhere:  # FSDP: DTensor's caches keep its meshes, and their groups, for the life of the process
+            time.sleep(0.1)  # a worker still finishing a collective takes the GIL now, while it may
 
     atexit.register(release)
 
