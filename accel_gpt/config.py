@@ -521,5 +521,10 @@ def resolve_eval_windows(windows: int | None, steps: int | None, batch: int) -> 
     return steps * batch, None
 
 
+def yaml_text(cfg: Config) -> str:
+    """A config as its config.yaml holds it."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
 def save_yaml(cfg: Config, path: Path) -> None:
-    atomic_write(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    atomic_write(path, yaml_text(cfg))

@@ -37,7 +37,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list
 
-from accel_gpt.config import TrainConfig, save_yaml
+from accel_gpt.config import TrainConfig, save_yaml, yaml_text
 from accel_gpt.errors import UserError
 from accel_gpt.files import LOCK, locked, remove
 
@@ -193,7 +193,7 @@ def never_stepped(folder: Path, cfg: TrainConfig) -> bool:
     if metrics.exists() and metrics.read_text(errors="replace").strip():
         return False
     try:
-        return read_run_config(folder) == yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        return read_run_config(folder) == yaml.safe_load(yaml_text(cfg))
     except UserError:  # no config.yaml, or not one of ours
         return False
 

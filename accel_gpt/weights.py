@@ -32,11 +32,11 @@ from accel_gpt.tokenizer import Tokenizer
 
 WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
-logger = logging.getLogger(__name__)
-
 TIED_HEAD = "lm_head.weight"  # stored once, as transformer.wte.weight
 CHECKPOINTS = "checkpoints"  # a run dir's folder of step_* checkpoints
 COMPLETE = "COMPLETE"  # a checkpoint's marker, written last: the folder is complete
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
