@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
-# The GPU measurements of bench/ in three phases, one device-tool call each (600 s at most, a fresh machine
-# every time: 1-2 minutes to start, cold compile caches). That machine has torch, accelerate, transformers and
-# tiktoken, but not `datasets` (training, eval, sample and export do not need it), no installed accel_gpt
-# (PYTHONPATH is this checkout) and no files of ours: the tiktoken files, the HellaSwag rows and a text to
-# train on travel in the git-ignored .carry/ folder.
+# The GPU measurements of bench/, sized for a lease of 15 minutes of device time in all (the machine's start, 1-2
+# minutes, every call and every idle second count): phases 1 and 2 are two device-tool calls, the second made at
+# once on the still-warm machine (it goes back 30 s after a call), then give_back; 15 minutes with a 2-minute start
+# and every command at its limit, about 11 expected. Phases 3 and 4 are for device time beyond that (a later lease). That machine has
+# torch, accelerate, transformers and tiktoken, but not `datasets` (training, eval, sample and export do not need
+# it), no installed accel_gpt (PYTHONPATH is this checkout) and no files of ours: the tiktoken files, the HellaSwag
+# rows, a text to train on and the peers travel in the git-ignored .carry/ folder.
 #
 #   bash bench/gpu_session.sh carry HELLASWAG_JSONL TEXT PEERS   # here, once: $TIKTOKEN_CACHE_DIR and files -> .carry/
-#   bash bench/gpu_session.sh 1                              # there (device run, carry [".carry"]); then 2, then 3
+#   bash bench/gpu_session.sh 1       # there: device run, carry [".carry"], timeout_s 430; then 2 (timeout_s 350)
 #   DRY_RUN=1 OUT=/tmp/dry bash bench/gpu_session.sh 1       # rehearsal on a CPU: the same commands at tiny sizes
 #
 #   1  GPT-2 124M against llm.c's PyTorch trainer and nanoGPT (bench/peers.py; PEERS is a folder holding them,
-#      not part of this repo), same tokens, in the same call as three A/Bs of accel_gpt: the chunked LM-head loss,
-#      Muon + AdamW (gpt2-124m-muon's optimizer: its cost per step) and the cuDNN attention kernel
-#   2  HellaSwag over all 10,042 rows (124M shapes, bf16); the largest micro-batch for 124M, 350M and 774M
-#   3  end to end in bf16: train 124M, SIGKILL it after its first checkpoint, resume to the end; eval, sample, export;
-#      then FSDP (fsdp.yaml, one process): a gpt2-medium-wide model stopped by SIGTERM after its first checkpoint
+#      not part of this repo), same tokens, then accel_gpt with Muon + AdamW (gpt2-124m-muon's optimizer: its cost
+#      per step); four runs of at most 95 s (start, compile, 16 steps of 524,288 tokens)
+#   2  end to end in bf16: train 124M, SIGKILL it between checkpoints, resume to the end (the steps run twice must
+#      give the same losses); eval with all 10,042 HellaSwag rows (target: under 60 s, start-up included), sample,
+#      export, transformers reads the export. Its compiles reuse phase 1's kernels (one inductor cache folder).
+#   3  two A/Bs of accel_gpt (the chunked LM-head loss, cuDNN attention); HellaSwag's scoring rate at two batch
+#      sizes; FSDP (fsdp.yaml, one process): a gpt2-medium-wide model stopped by SIGTERM after its first checkpoint
 #      (the graceful stop, which saves), resumed to the end, its last checkpoint's gathered weights checked, exported
+#   4  the largest micro-batch for 124M, 350M and 774M
 #
 # Every command runs under its own `timeout -s KILL` (it kills the command's whole process group: launcher,
 # trainer, compile workers), so one that hangs costs its own limit, not the phase; a phase's limits add up to
-# under 600 s. Output goes to $OUT/phaseN.log as it comes (the device tool brings $OUT back, after a timeout too).
+# less than its call's timeout_s. Output goes to $OUT/phaseN.log as it comes (the device tool brings $OUT back,
+# after a timeout too; at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bash bench/gpu_session.sh carry HELLASWAG_JSONL TEXT PEERS | 1 | 2 | 3}
+phase=${1:?usage: bash bench/gpu_session.sh carry HELLASWAG_JSONL TEXT PEERS | 1 | 2 | 3 | 4}
 
 if [ "$phase" = carry ]; then
     hellaswag_src=${2:?carry needs the HellaSwag validation jsonl (10,042 rows)}
@@ -48,10 +54,12 @@ text=.carry/data/text.txt
 [ -f "$text" ] || text=tests/data/tinyshakespeare.txt
 launch=("$PY" -m accelerate.commands.launch --config_file accelerate_configs/single_gpu.yaml run.py)  # bf16
 
+export TORCHINDUCTOR_CACHE_DIR="$PWD/runs/inductor-cache"  # one cache for every phase: later compiles reuse kernels
+
+muon=(--variant muon='--optimizer muon --muon_weight_decay 0.01')  # gpt2-124m-muon's optimizer
 if [ -n "${DRY_RUN:-}" ]; then  # the same commands at sizes a CPU runs in seconds
-    peers=(--steps 3 --warmup 1)
-    # no muon side: its bf16 Newton-Schulz over 124M's matrices takes minutes a step on a CPU without bf16 matmuls
-    variants=(--variant chunk='--loss_chunk 256')
+    peers=(--steps 3 --warmup 1 --timeout 100)
+    ab=(--variant chunk='--loss_chunk 256')
     tiny=(--flags "--n_layer 1 --n_head 1 --n_embd 16 --seq_len 16")
     model=(--model tiny-cpu)
     e2e=(--n_layer 2 --n_head 4 --n_embd 64 --seq_len 64 --micro_batch_size 4 --total_batch_size 256 --compile false
@@ -59,18 +67,23 @@ if [ -n "${DRY_RUN:-}" ]; then  # the same commands at sizes a CPU runs in secon
     fsdp_e2e=(--n_layer 2 --n_head 4 --n_embd 64 --seq_len 64 --micro_batch_size 4 --total_batch_size 512)  # refused
     limit=(--limit 20)
 else
-    tiny=() model=() e2e=() limit=() peers=(--steps 20 --warmup 6) fsdp_e2e=()
-    # muon: the gpt2-124m-muon preset's optimizer (its step time; the preset's loss is issue work for a longer lease)
-    variants=(--variant chunk='--loss_chunk 16384' --variant muon='--optimizer muon --muon_weight_decay 0.01'
-        --variant cudnn='--attention_backend cudnn')
+    tiny=() model=() e2e=() limit=() fsdp_e2e=()
+    peers=(--steps 16 --warmup 5 --timeout 95)
+    ab=(--variant chunk='--loss_chunk 16384' --variant cudnn='--attention_backend cudnn')
 fi
 
 step() {  # step SECONDS COMMAND...: one command under its own limit, its output appended to the log as it comes
-    local limit=$1
+    local limit=$1 started=$SECONDS
     shift
     echo "=== $(date +%T) $* (limit ${limit}s)" | tee -a "$log"
     timeout -s KILL "$limit" "$@" 2>&1 | tee -a "$log"
-    echo "=== exit ${PIPESTATUS[0]}" | tee -a "$log"
+    echo "=== exit ${PIPESTATUS[0]} after $((SECONDS - started)) s" | tee -a "$log"
+}
+
+last_step() {  # the newest step in a run's metrics.jsonl, 0 before its first
+    local row
+    row=$(tail -n 1 "$1/metrics.jsonl" 2>/dev/null)
+    [[ $row =~ \"step\":\ ([0-9]+) ]] && echo "${BASH_REMATCH[1]}" || echo 0
 }
 
 case $phase in
@@ -81,52 +94,58 @@ print('torch', torch.__version__, 'accelerate', accelerate.__version__, 'transfo
 print('datasets importable:', importlib.util.find_spec('datasets') is not None)
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
     data=$("$PY" bench/benchlib.py --text "$text")  # GPT-2 tokens written with tiktoken alone (no `datasets`)
-    # six runs of about 100 s each (start, compile, 20 steps of 524,288 tokens), each appended to peers.jsonl as it
-    # ends: past the limit only the last, cudnn, is lost
-    step 520 "$PY" bench/peers.py --peers .carry/peers --data_dir "$data" --out "$out/peers.jsonl" --timeout 100 \
-        "${peers[@]}" "${variants[@]}"
+    # four runs, each appended to peers.jsonl as it ends: past a run's limit only that run is lost
+    step 390 "$PY" bench/peers.py --peers .carry/peers --data_dir "$data" --out "$out/peers.jsonl" "${peers[@]}" \
+        "${muon[@]}"
     ;;
 2)
-    step 120 "$PY" bench/generate_throughput.py --what hellaswag --hellaswag "$hellaswag" --batch_sizes 16,64 \
-        --rounds 1 "${model[@]}" "${limit[@]}"
-    step 110 "$PY" bench/train_throughput.py --find_max_batch 124m "${tiny[@]}"
-    step 150 "$PY" bench/train_throughput.py --find_max_batch 350m "${tiny[@]}"
-    step 170 "$PY" bench/train_throughput.py --find_max_batch 774m "${tiny[@]}"
-    ;;
-3)
     run=runs/gpu-e2e
     rm -rf "$run" runs/gpu-export
-    export TORCHINDUCTOR_CACHE_DIR="$PWD/runs/inductor-cache"  # the resumed run reuses the first one's kernels
-    step 20 "$PY" bench/benchlib.py --text "$text"  # GPT-2 tokens written with tiktoken alone (no `datasets`)
     data=$("$PY" bench/benchlib.py --text "$text")
     # 65,536 tokens per step (one micro-step of 64 x 1024), evaluation, HellaSwag and a checkpoint along the way
-    train=(train --config gpt2-124m --data_dir "$data" --out_dir "$run" --total_batch_size 65536 --max_steps 100
-        --warmup_steps 10 --eval_every 25 --eval_windows 256 --hellaswag "$hellaswag" --hellaswag_every 50
-        --hellaswag_limit 1000 --save_every 20 --log_every 5 "${e2e[@]}")
-    echo "=== $(date +%T) ${launch[*]} ${train[*]}, SIGKILL a few seconds after its first checkpoint" | tee -a "$log"
-    timeout -s KILL 130 "${launch[@]}" "${train[@]}" >>"$log" 2>&1 &
+    train=(train --config gpt2-124m --data_dir "$data" --out_dir "$run" --total_batch_size 65536 --max_steps 60
+        --warmup_steps 10 --eval_every 20 --eval_windows 256 --hellaswag "$hellaswag" --hellaswag_every 30
+        --hellaswag_limit 500 --save_every 20 --log_every 1 "${e2e[@]}")
+    echo "=== $(date +%T) ${launch[*]} ${train[*]}, SIGKILL at a step past its first checkpoint" | tee -a "$log"
+    timeout -s KILL 100 "${launch[@]}" "${train[@]}" >>"$log" 2>&1 &
     pid=$!  # timeout leads its own process group: killing the group kills launcher and trainer
-    until ls "$run"/checkpoints/step_*/COMPLETE >/dev/null 2>&1 || ! kill -0 "$pid" 2>/dev/null; do sleep 1; done
-    sleep 5
+    until [ "$(last_step "$run")" -ge 25 ] || ! kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
     kill -KILL -- -"$pid" 2>/dev/null
     wait "$pid"
     killed=$?
-    printf '\n=== killed (exit %s); checkpoints: %s\n' "$killed" "$(ls "$run/checkpoints" 2>/dev/null | xargs)" | tee -a "$log"
-    echo "=== last metrics row before the resume: $(tail -n 1 "$run/metrics.jsonl" 2>/dev/null)" | tee -a "$log"
-    step 110 "${launch[@]}" "${train[@]}" --resume auto
+    cp "$run/metrics.jsonl" "$out/e2e_killed_metrics.jsonl" 2>/dev/null
+    newest=$(ls -d "$run"/checkpoints/step_*/COMPLETE 2>/dev/null | tail -n 1)
+    [[ $newest =~ step_0*([0-9]+) ]] && from=${BASH_REMATCH[1]} || from=0
+    printf '\n=== killed (exit %s) at step %s; checkpoints: %s; resumes from step %s\n' "$killed" \
+        "$(last_step "$run")" "$(ls "$run/checkpoints" 2>/dev/null | xargs)" "$from" | tee -a "$log"
+    step 85 "${launch[@]}" "${train[@]}" --resume auto
+    cp "$run/metrics.jsonl" "$out/e2e_metrics.jsonl" 2>/dev/null
+    # the resumed run redid the steps after its checkpoint: the first one's loss is the restored weights' and data
+    # order's (forward only: exact resume means equal); later ones can part by the GPU's non-deterministic backward
     step 5 "$PY" -c "from accel_gpt.metrics import read_metrics
-steps = [r['step'] for r in read_metrics('$run/metrics.jsonl')]
-assert steps == list(range(1, 101)), steps
-print('metrics.jsonl: steps 1..100, each once')"
-    step 55 "${launch[@]}" eval --checkpoint "$run" --hellaswag "$hellaswag" --data_dir "$data" --batch_size 32 \
+killed = {r['step']: r['loss'] for r in read_metrics('$out/e2e_killed_metrics.jsonl')}
+rows = read_metrics('$run/metrics.jsonl')
+steps = [r['step'] for r in rows]
+assert steps == list(range(1, steps[-1] + 1)) and steps[-1] == 60, steps
+redone = [(r['step'], killed[r['step']], r['loss']) for r in rows if $from < r['step'] <= max(killed)]
+print('metrics.jsonl: steps 1..60, each once; steps run twice (step, loss killed, loss resumed):')
+for s, a, b in redone:
+    print(f'  {s:3d} {a!r:>22} {b!r:>22}', 'same' if a == b else f'differ by {b - a:+.3g}')"
+    step 80 "${launch[@]}" eval --checkpoint "$run" --hellaswag "$hellaswag" --data_dir "$data" --batch_size 32 \
         "${limit[@]}"
     step 25 "$PY" run.py sample --checkpoint "$run" --prompt "ROMEO:" --max_new_tokens 64 --seed 0
     step 30 "$PY" run.py export --checkpoint "$run" --out_dir runs/gpu-export
-    step 25 "$PY" -c "from transformers import AutoTokenizer, GPT2LMHeadModel
+    step 20 "$PY" -c "from transformers import AutoTokenizer, GPT2LMHeadModel
 model, tok = GPT2LMHeadModel.from_pretrained('runs/gpu-export'), AutoTokenizer.from_pretrained('runs/gpu-export')
 ids = model.generate(**tok('ROMEO:', return_tensors='pt'), max_new_tokens=16, do_sample=False)
 print('transformers reads the export:', repr(tok.decode(ids[0])))"
-    cp "$run/metrics.jsonl" "$out/e2e_metrics.jsonl" 2>/dev/null
+    ;;
+3)
+    data=$("$PY" bench/benchlib.py --text "$text")
+    step 200 "$PY" bench/peers.py --peers .carry/peers --data_dir "$data" --out "$out/peers_ab.jsonl" "${peers[@]}" \
+        --sides accel_gpt "${ab[@]}"
+    step 120 "$PY" bench/generate_throughput.py --what hellaswag --hellaswag "$hellaswag" --batch_sizes 16,64 \
+        --rounds 1 "${model[@]}" "${limit[@]}"
 
     # FSDP2 on one GPU (the code paths of 8: sharded checkpoints, DTensor gradients, the gathered weights), eager,
     # 32,768 tokens per step in 2 micro-steps, activation checkpointing; the width and heads of gpt2-medium, 6 layers.
@@ -165,8 +184,13 @@ print('metrics.jsonl: steps 1..20, each once;', ckpt.name, 'holds the final weig
 print('exported', export(ckpt, 'runs/gpu-fsdp-export'))"
     cp "$frun/metrics.jsonl" "$out/fsdp_metrics.jsonl" 2>/dev/null
     ;;
+4)
+    step 110 "$PY" bench/train_throughput.py --find_max_batch 124m "${tiny[@]}"
+    step 150 "$PY" bench/train_throughput.py --find_max_batch 350m "${tiny[@]}"
+    step 170 "$PY" bench/train_throughput.py --find_max_batch 774m "${tiny[@]}"
+    ;;
 *)
-    echo "unknown phase $phase: carry, 1, 2 or 3" >&2
+    echo "unknown phase $phase: carry, 1, 2, 3 or 4" >&2
     exit 2
     ;;
 esac
