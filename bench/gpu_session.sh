@@ -53,6 +53,7 @@ hellaswag=.carry/data/hellaswag_val.jsonl
 text=.carry/data/text.txt
 [ -f "$text" ] || text=tests/data/tinyshakespeare.txt
 launch=("$PY" -m accelerate.commands.launch --config_file accelerate_configs/single_gpu.yaml run.py)  # bf16
+data=$("$PY" bench/benchlib.py --text "$text")  # GPT-2 tokens written with tiktoken alone (no `datasets`)
 
 export TORCHINDUCTOR_CACHE_DIR="$PWD/runs/inductor-cache"  # one cache for every phase: later compiles reuse kernels
 
@@ -93,7 +94,6 @@ case $phase in
 print('torch', torch.__version__, 'accelerate', accelerate.__version__, 'transformers', transformers.__version__)
 print('datasets importable:', importlib.util.find_spec('datasets') is not None)
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
-    data=$("$PY" bench/benchlib.py --text "$text")  # GPT-2 tokens written with tiktoken alone (no `datasets`)
     # four runs, each appended to peers.jsonl as it ends: past a run's limit only that run is lost
     step 390 "$PY" bench/peers.py --peers .carry/peers --data_dir "$data" --out "$out/peers.jsonl" "${peers[@]}" \
         "${muon[@]}"
@@ -101,7 +101,6 @@ print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
 2)
     run=runs/gpu-e2e
     rm -rf "$run" runs/gpu-export
-    data=$("$PY" bench/benchlib.py --text "$text")
     # 65,536 tokens per step (one micro-step of 64 x 1024), evaluation, HellaSwag and a checkpoint along the way
     train=(train --config gpt2-124m --data_dir "$data" --out_dir "$run" --total_batch_size 65536 --max_steps 60
         --warmup_steps 10 --eval_every 20 --eval_windows 256 --hellaswag "$hellaswag" --hellaswag_every 30
@@ -141,7 +140,6 @@ ids = model.generate(**tok('ROMEO:', return_tensors='pt'), max_new_tokens=16, do
 print('transformers reads the export:', repr(tok.decode(ids[0])))"
     ;;
 3)
-    data=$("$PY" bench/benchlib.py --text "$text")
     step 200 "$PY" bench/peers.py --peers .carry/peers --data_dir "$data" --out "$out/peers_ab.jsonl" "${peers[@]}" \
         --sides accel_gpt "${ab[@]}"
     step 120 "$PY" bench/generate_throughput.py --what hellaswag --hellaswag "$hellaswag" --batch_sizes 16,64 \
