@@ -14,7 +14,11 @@ DATA = REPO / "tests" / "data"  # a slice of tiny Shakespeare and 50 HellaSwag r
 SHAKESPEARE = DATA / "tinyshakespeare.txt"
 HELLASWAG = DATA / "hellaswag_val.jsonl"
 
-# Only tiktoken's GPT-2 BPE files come from outside: TIKTOKEN_CACHE_DIR, as for any user offline.
+# Only tiktoken's GPT-2 BPE files come from outside: TIKTOKEN_CACHE_DIR, as for any user offline. A relative one
+# (`../shared/tiktoken_cache`) names a folder from where pytest starts, and the quick start runs README commands in
+# folders of their own: it is made absolute here, for them.
+if os.environ.get("TIKTOKEN_CACHE_DIR"):
+    os.environ["TIKTOKEN_CACHE_DIR"] = os.path.abspath(os.environ["TIKTOKEN_CACHE_DIR"])
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
