@@ -97,6 +97,8 @@ FSDP_MODEL_PREFIX = "pytorch_model_fsdp"  # Accelerate's name for the model save
 # Fields that a resumed run must share with its checkpoint: the model's shape, the global batch (it fixes how
 # far the data stream advances per step) and the seed (it fixes the data order).
 RESUME_FIELDS = (*MODEL_FIELDS, "total_batch_size", "seed")
+# The values of model fields added later, in checkpoints saved before they existed: every such run was GPT-2's block.
+LEGACY_DEFAULTS = {"arch": "gpt2", "n_kv_head": None, "rope_theta": None, "logit_softcap": None}
 # Settings a resume may change; each change is logged. The optimizer's are re-applied after `load_state`, which
 # restores the saved ones; the schedule's and grad_clip are read from the config at every step anyway.
 CHANGEABLE_FIELDS = ("learning_rate", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "min_lr_ratio")
@@ -522,9 +524,10 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Pa
             f"{now}; resume with --optimizer {was}, or start a new run from its weights with --init_from {path}"
         )
     for name in RESUME_FIELDS:
-        if name in saved and saved[name] != current[name]:
+        was = saved.get(name, LEGACY_DEFAULTS.get(name, current[name]))  # fields a checkpoint predates had these
+        if was != current[name]:
             raise UserError(
-                f"cannot resume from {path}: {name} was {saved[name]} there but is {current[name]} now "
+                f"cannot resume from {path}: {name} was {was} there but is {current[name]} now "
                 f"(it changes the model shape or the data order); use the checkpoint's value or a new out_dir"
             )
 

@@ -201,7 +201,26 @@ def at_least(cfg: Config, minimum: float, *names: str) -> None:
 # ------------------------------------------------------------------------------------------------ train
 
 # Fields that define the model's shape: a resume or init that changes one of these cannot load weights.
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "bias")
+MODEL_FIELDS = ("arch", "n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "bias", "n_kv_head", "rope_theta")
+MODEL_FIELDS += ("logit_softcap",)
+Arch = Literal["gpt2", "nanochat"]
+# The nanochat block's own settings where a config leaves them unset. Each was chosen by the sweep of
+# bench/char_recipe.py on nanoGPT's CPU recipe (bench/RESULTS.md, "The modern block").
+NANOCHAT_DEFAULTS: dict[str, Any] = {
+    "rope_theta": 10_000.0,
+    "logit_softcap": 15.0,
+    "embedding_lr": 0.3,
+    "head_lr": 0.008,
+    "muon_momentum_warmup": 300,
+}
+# What GPT-2's block has instead of each nanochat-only setting: said when one is given with arch gpt2.
+NANOCHAT_ONLY = {
+    "n_kv_head": "one key/value head per query head",
+    "rope_theta": "learned positions, not rotary ones",
+    "logit_softcap": "no soft-cap on its logits",
+    "head_lr": "a head tied to the token embedding",
+    "embedding_lr": "one AdamW rate for the embedding (learning_rate)",
+}
 # torch.compile's modes; the CUDA-graph ones replay whole steps, which pays off where launches bound a step.
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 LRSchedule = Literal["cosine", "wsd", "linear", "constant"]
@@ -229,7 +248,15 @@ class TrainConfig(Config):
     n_embd: int = option(768, "width of the residual stream")
     seq_len: int = option(1024, "tokens per training sequence; also the model's context (position table)")
     vocab_size: int = option(50_304, "embedding rows: GPT-2's 50,257 padded to a multiple of 128 for fast matmuls")
-    bias: bool = option(True, "Linear and LayerNorm biases (GPT-2's); false drops them all, as nanoGPT's CPU recipe")
+    arch: Arch = option(
+        "gpt2", "the block: gpt2 (GPT2LMHeadModel's) | nanochat (NanoChatForCausalLM's: rotary, RMSNorm, ReLU², untied)"
+    )
+    bias: bool | None = option(
+        None, "gpt2: Linear and LayerNorm biases (unset: true, GPT-2's; false as nanoGPT's CPU recipe); nanochat: none"
+    )
+    n_kv_head: int | None = option(None, "nanochat: key/value heads, dividing n_head (grouped-query; unset: n_head)")
+    rope_theta: float | None = option(None, "nanochat: the rotary base (unset: 10,000)")
+    logit_softcap: float | None = option(None, "nanochat: logits become c*tanh(logits/c) (0 = off; unset: 15)")
     dropout: float = option(0.0, "dropout on embeddings, attention weights and residual branches; training only")
     # optimization
     total_batch_size: int = option(524_288, "tokens per optimizer step, all processes together (2**19)")
@@ -252,6 +279,12 @@ class TrainConfig(Config):
     muon_adjust_lr_fn: MuonLRAdjust = option(
         "original", "muon: per-matrix lr scale: original (sqrt(max(1, rows/cols))) | match_rms_adamw (0.2*sqrt(max))"
     )
+    muon_momentum_warmup: int | None = option(
+        None, "muon: steps over which momentum rises from muon_momentum_start (0 = none; unset: nanochat 300, gpt2 0)"
+    )
+    muon_momentum_start: float = option(0.85, "muon: the momentum of the first step when muon_momentum_warmup > 0")
+    embedding_lr: float | None = option(None, "nanochat: AdamW peak rate of the token embedding (unset: 0.3)")
+    head_lr: float | None = option(None, "nanochat: AdamW peak rate of the untied LM head (unset: 0.008)")
     seed: int = option(1337, "initial weights and data order")
     # loss-spike guard: an outlier step is not applied (the schedule and data still advance)
     spike_loss_zscore: float = option(0.0, "skip a step whose loss is over this many std above its mean (0 = off)")
@@ -310,6 +343,8 @@ class TrainConfig(Config):
             raise ConfigError(f"decay_fraction={self.decay_fraction} must be in (0, 1]")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        self.resolve_arch()
+        at_least(self, 0, "muon_momentum_warmup")
         if not self.data_dir:
             raise ConfigError("data_dir is required: pass --data_dir DIR (a folder written by `run.py prepare`)")
         if len(set(self.data_dirs)) != len(self.data_dirs):
@@ -322,7 +357,7 @@ class TrainConfig(Config):
         if self.muon_lr <= 0:
             raise ConfigError(f"muon_lr={self.muon_lr} must be > 0")
         at_least(self, 0, "muon_weight_decay")
-        for name in ("beta1", "beta2", "muon_momentum", "dropout"):
+        for name in ("beta1", "beta2", "muon_momentum", "muon_momentum_start", "dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
         if self.seed < 0:
@@ -350,6 +385,37 @@ class TrainConfig(Config):
         if self.hellaswag_every and not self.hellaswag:
             raise ConfigError("hellaswag_every > 0 needs --hellaswag SRC (a jsonl path/URL or hub id)")
 
+    def resolve_arch(self) -> None:
+        """Fill the unset settings of the chosen block with its defaults; refuse nanochat's settings under gpt2."""
+        if self.arch == "gpt2":
+            given = next((name for name in NANOCHAT_ONLY if getattr(self, name) is not None), None)
+            if given:
+                raise ConfigError(
+                    f"{given}={getattr(self, given)} is a setting of arch nanochat; GPT-2's block has "
+                    f"{NANOCHAT_ONLY[given]}: drop --{given} or set --arch nanochat"
+                )
+            self.bias = True if self.bias is None else self.bias
+            self.muon_momentum_warmup = self.muon_momentum_warmup or 0
+            return
+        if self.bias:
+            raise ConfigError("bias=true: nanochat's block has no biases; drop --bias or set --arch gpt2")
+        self.bias = False
+        for name, default in NANOCHAT_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        head_dim = self.n_embd // self.n_head
+        if head_dim % 2:
+            raise ConfigError(
+                f"n_embd/n_head={head_dim}: rotary positions turn pairs of dimensions, so it must be even"
+            )
+        kv = self.n_kv_head
+        if kv is not None and (kv < 1 or self.n_head % kv):
+            raise ConfigError(f"n_kv_head={kv} must divide n_head={self.n_head} (each key/value head serves a group)")
+        if self.rope_theta <= 0 or self.embedding_lr <= 0 or self.head_lr <= 0:
+            name = next(n for n in ("rope_theta", "embedding_lr", "head_lr") if getattr(self, n) <= 0)
+            raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        at_least(self, 0, "logit_softcap")
+
     @property
     def data_dirs(self) -> list[str]:
         """The folders of `data_dir`: one, or several for a mixture."""
@@ -369,6 +435,11 @@ class TrainConfig(Config):
         if not all(math.isfinite(w) and w > 0 for w in weights):
             raise ConfigError(f"data_weights={self.data_weights!r} must all be > 0 (leave a folder out instead of 0)")
         return [w / sum(weights) for w in weights]
+
+    def model_settings(self) -> dict[str, Any]:
+        """The model's shape as `GPTConfig` takes it: the settings the chosen block has (GPT-2 has no rotary base)."""
+        values = {name: getattr(self, name) for name in MODEL_FIELDS}
+        return {name: value for name, value in values.items() if value is not None} | {"dropout": self.dropout}
 
     @property
     def windows_per_step(self) -> int:

@@ -1,8 +1,9 @@
-"""`run.py export`: a run's or checkpoint's model as a transformers GPT-2 folder, tokenizer included.
+"""`run.py export`: a run's or checkpoint's model as a transformers folder, tokenizer included: `GPT2LMHeadModel`
+for the gpt2 block, `NanoChatForCausalLM` for the nanochat block.
 
 The folder holds model.safetensors + config.json + generation_config.json and the tokenizer files
 (tokenizer.json, and GPT-2's original vocab.json + merges.txt for readers without `tokenizers`), so
-`GPT2LMHeadModel.from_pretrained`, `AutoTokenizer.from_pretrained` and `pipeline` load it offline, and a model
+`AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained` and `pipeline` load it offline, and a model
 card, README.md (see `modelcard`), so that it can be shared as it is.
 Only the 50,257 real vocabulary rows are written. Everything is staged in a temporary sibling folder
 and renamed into place, so a failure leaves no half-written export and `out_dir` is never merged into.
@@ -30,7 +31,7 @@ from accel_gpt.weights import load_model
 def export(
     path: str | Path, out_dir: str | Path, license: str = "mit", title: str | None = None, load_as: str | None = None
 ) -> Path:
-    """Write the model at `path` (run dir or checkpoint) as a transformers GPT-2 folder; returns that folder.
+    """Write the model at `path` (run dir or checkpoint) as a transformers folder; returns that folder.
 
     The model card is headed `title` (default: the folder's name) and its examples load `load_as` (default:
     `out_dir` as given; the repo id when the folder goes to the Hub)."""
@@ -123,6 +124,7 @@ def run_export(cfg: ExportConfig) -> None:
     hf_logging.disable_progress_bar()  # save_pretrained's bar for one shard is noise in a one-line command
     title = cfg.push_to_hub.split("/")[-1] if cfg.push_to_hub else None
     out = export(cfg.checkpoint, cfg.out_dir, cfg.license, title, cfg.push_to_hub or None)
-    print(f"exported {cfg.checkpoint} -> {out} (GPT2LMHeadModel + GPT-2 tokenizer, vocab {GPT2_VOCAB}, model card)")
+    model_class = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"exported {cfg.checkpoint} -> {out} ({model_class} + GPT-2 tokenizer, vocab {GPT2_VOCAB}, model card)")
     if cfg.push_to_hub:
         print(f"uploaded {out} -> {push(out, cfg.push_to_hub, cfg.private)}")

@@ -1,8 +1,13 @@
-"""transformers interop: our GPT <-> `GPT2LMHeadModel`, GPT-2 from a folder or the hub, GPT-2's tokenizer files.
+"""transformers interop: our GPT <-> `GPT2LMHeadModel` (arch gpt2) or `NanoChatForCausalLM` (arch nanochat), either
+from a folder or the hub, and GPT-2's tokenizer files.
 
-Both models use GPT-2's parameter names, so converting is a key-for-key copy with one twist: transformers'
+GPT-2: both models use GPT-2's parameter names, so converting is a key-for-key copy with one twist: transformers'
 GPT-2 keeps its projections in `Conv1D`, whose weight is stored (in, out), while ours are `nn.Linear`,
 stored (out, in). Those four weights per block are transposed; everything else is copied as is.
+
+NanoChat: a rename of the seven weights per model part (`_NANOCHAT_KEYS`); its norms have no weights. Two settings
+decide whether the logits are the same: `rms_norm_eps` must be the eps `F.rms_norm` uses when given none, and the
+rotary angles must turn the same way (ours follow the class's convention, so nothing is negated).
 
 GPT-2's vocab.json and merges.txt are derived from tiktoken's mergeable ranks (the same source that `prepare`
 tokenizes with), so a transformers tokenizer built from them gives tiktoken's ids.
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import pickle
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +30,7 @@ from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, NanoChatConfig, NanoChatForCausalLM
 
 # Weights that transformers keeps in Conv1D layout (in, out); nn.Linear keeps (out, in).
 _CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -34,6 +40,8 @@ _PICKLED = "pytorch_model.bin"
 _LM_HEAD = "lm_head.weight"  # tied to wte on both sides: copied once, through wte
 # GELU with the tanh approximation under its two transformers names; "gelu" (exact erf) would differ.
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- weights
@@ -98,7 +106,7 @@ def generation_config() -> GenerationConfig:
     return GenerationConfig(bos_token_id=GPT2_EOT, eos_token_id=GPT2_EOT, pad_token_id=GPT2_EOT)
 
 
-def to_transformers(model: GPT, vocab_size: int | None = None) -> GPT2LMHeadModel:
+def to_gpt2(model: GPT, vocab_size: int | None = None) -> GPT2LMHeadModel:
     """A `GPT2LMHeadModel` (CPU, float32, eval mode) with `model`'s weights.
 
     `vocab_size` smaller than the model's keeps only the first rows: `export` passes 50,257 to drop the
@@ -118,19 +126,13 @@ def to_transformers(model: GPT, vocab_size: int | None = None) -> GPT2LMHeadMode
     return hf_model.eval()
 
 
-def from_transformers(hf_model: GPT2LMHeadModel, vocab_size: int | None = None) -> GPT:
+def from_gpt2(hf_model: GPT2LMHeadModel, vocab_size: int | None = None) -> GPT:
     """Our GPT (CPU, float32, eval mode) with a `GPT2LMHeadModel`'s weights.
 
     `vocab_size` larger than the checkpoint's pads the embedding (see `_fit_vocab`); smaller would drop
     real tokens and is refused.
     """
-    cfg = _gpt_config(hf_model.config)
-    if vocab_size is not None and vocab_size < cfg.vocab_size:
-        raise UserError(
-            f"vocab_size={vocab_size} is smaller than the GPT-2 checkpoint's {cfg.vocab_size}: "
-            "it would drop real tokens; use a vocab_size >= the checkpoint's"
-        )
-    model = GPT(replace(cfg, vocab_size=vocab_size or cfg.vocab_size))
+    model = GPT(_padded(_gpt2_gpt_config(hf_model.config), vocab_size))
     src = {k: v.detach().to("cpu", torch.float32) for k, v in hf_model.state_dict().items()}
     state = _map_state(src, [k for k in model.state_dict() if k != _LM_HEAD])
     state[_WTE] = _fit_vocab(state[_WTE], model.config.vocab_size)
@@ -147,10 +149,8 @@ def _load_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         raise RuntimeError("lm_head is not tied to transformer.wte after loading")
 
 
-def _gpt_config(hf_config: GPT2Config) -> GPTConfig:
+def _gpt2_gpt_config(hf_config: GPT2Config) -> GPTConfig:
     """Our config for a transformers GPT-2 config, refusing the variants our GPT cannot reproduce."""
-    if hf_config.model_type != "gpt2":
-        raise UserError(f"expected a GPT-2 model (model_type 'gpt2'), got model_type {hf_config.model_type!r}")
     checks = {
         "activation_function": (hf_config.activation_function, _TANH_GELUS),
         "n_inner": (hf_config.n_inner, (None, 4 * hf_config.n_embd)),
@@ -172,25 +172,172 @@ def _gpt_config(hf_config: GPT2Config) -> GPTConfig:
     )
 
 
-def load_transformers_gpt2(path_or_id: str, vocab_size: int | None = None) -> GPT:
-    """Our GPT from a transformers GPT-2 folder or hub id (`gpt2`, `openai-community/gpt2-medium`, ...).
+def load_transformers(path_or_id: str, vocab_size: int | None = None) -> GPT:
+    """Our GPT from a transformers GPT-2 or NanoChat folder or hub id (`gpt2`, `openai-community/gpt2-medium`, an
+    export of ours, ...).
 
     Used by `init_from` (pass the trainer's `vocab_size`, e.g. 50,304, to pad the embedding) and by
     eval/sample on `--checkpoint gpt2`. The hub is reached through `from_pretrained`, so its cache and
     `HF_HUB_OFFLINE` apply. Weights load as float32 whatever the checkpoint stores: this model trains.
     """
-    from transformers import AutoConfig, GPT2LMHeadModel
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         hf_config = AutoConfig.from_pretrained(path_or_id)
-        _gpt_config(hf_config)  # refuse other architectures before reading their weights
+        _arch(hf_config)  # refuse other architectures before reading their weights
+        _CONFIGS[hf_config.model_type](hf_config)
         check_pickled_weights(Path(path_or_id))
-        hf_model = GPT2LMHeadModel.from_pretrained(path_or_id, config=hf_config, dtype=torch.float32)
+        hf_model = AutoModelForCausalLM.from_pretrained(path_or_id, config=hf_config, dtype=torch.float32)
     except UserError:
         raise
     except Exception as e:  # missing folder/id (OSError), corrupt safetensors, bad config.json (ValueError), ...
         raise UserError(_load_error(path_or_id, e)) from None
     return from_transformers(hf_model, vocab_size)
+
+
+def to_transformers(model: GPT, vocab_size: int | None = None) -> GPT2LMHeadModel | NanoChatForCausalLM:
+    """The transformers model of `model`'s arch (CPU, float32, eval mode) with its weights; `vocab_size` as
+    `to_gpt2` says."""
+    return {"gpt2": to_gpt2, "nanochat": to_nanochat}[model.config.arch](model, vocab_size)
+
+
+def from_transformers(hf_model: torch.nn.Module, vocab_size: int | None = None) -> GPT:
+    """Our GPT (CPU, float32, eval mode) with a GPT-2's or NanoChat's weights; `vocab_size` as `from_gpt2` says."""
+    return {"gpt2": from_gpt2, "nanochat": from_nanochat}[_arch(hf_model.config)](hf_model, vocab_size)
+
+
+def _arch(hf_config: object) -> str:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in ("gpt2", "nanochat"):
+        raise UserError(f"expected a GPT-2 or NanoChat model (model_type 'gpt2' or 'nanochat'), got {model_type!r}")
+    return model_type
+
+
+def _padded(cfg: GPTConfig, vocab_size: int | None) -> GPTConfig:
+    """`cfg` with the trainer's vocabulary: larger pads (see `_fit_vocab`); smaller would drop real tokens."""
+    if vocab_size is not None and vocab_size < cfg.vocab_size:
+        raise UserError(
+            f"vocab_size={vocab_size} is smaller than the checkpoint's {cfg.vocab_size}: it would drop real tokens; "
+            "use a vocab_size >= the checkpoint's"
+        )
+    return replace(cfg, vocab_size=vocab_size or cfg.vocab_size)
+
+
+# ---------------------------------------------------------------- NanoChat
+
+# What `F.rms_norm` uses when given no eps (finfo(float32).eps): the export's `rms_norm_eps` must be this value.
+RMS_NORM_EPS = torch.finfo(torch.float32).eps
+# Ours -> NanoChatForCausalLM's, for the parts of block i (the embedding and the head are mapped whole).
+_NANOCHAT_KEYS = {
+    "attn.c_q.weight": "self_attn.q_proj.weight",
+    "attn.c_k.weight": "self_attn.k_proj.weight",
+    "attn.c_v.weight": "self_attn.v_proj.weight",
+    "attn.c_proj.weight": "self_attn.o_proj.weight",
+    "mlp.c_fc.weight": "mlp.fc1.weight",
+    "mlp.c_proj.weight": "mlp.fc2.weight",
+}
+_NANOCHAT_ENDS = {_WTE: "model.embed_tokens.weight", _LM_HEAD: _LM_HEAD}
+
+
+def nanochat_config(cfg: GPTConfig, vocab_size: int | None = None) -> NanoChatConfig:
+    """The transformers config of the nanochat block: parameter-free RMSNorm with torch's default eps, RoPE with our
+    base, ReLU² MLP of 4x width, untied head, the soft-cap (None when off), GQA heads, attention dropout."""
+    from transformers import NanoChatConfig
+
+    vocab_size = vocab_size or cfg.vocab_size
+    eot = GPT2_EOT if vocab_size > GPT2_EOT else None
+    return NanoChatConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.n_embd,
+        intermediate_size=4 * cfg.n_embd,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.seq_len,
+        hidden_act="relu2",
+        attention_dropout=cfg.dropout,
+        rms_norm_eps=RMS_NORM_EPS,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        final_logit_softcapping=cfg.logit_softcap or None,
+        attention_bias=False,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        tie_word_embeddings=False,
+    )
+
+
+def _nanochat_key_map(n_layer: int) -> dict[str, str]:
+    keys = dict(_NANOCHAT_ENDS)
+    for i in range(n_layer):
+        keys |= {f"transformer.h.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in _NANOCHAT_KEYS.items()}
+    return keys
+
+
+def to_nanochat(model: GPT, vocab_size: int | None = None) -> NanoChatForCausalLM:
+    """A `NanoChatForCausalLM` (CPU, float32, eval mode) with `model`'s weights; `vocab_size` crops or pads both the
+    embedding and the head, as `to_gpt2` does the tied one."""
+    from transformers import NanoChatForCausalLM
+
+    hf_model = NanoChatForCausalLM(nanochat_config(model.config, vocab_size))
+    src = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    state = {theirs: src[ours] for ours, theirs in _nanochat_key_map(model.config.n_layer).items()}
+    for key in _NANOCHAT_ENDS.values():
+        state[key] = _fit_vocab(state[key], hf_model.config.vocab_size)
+    hf_model.load_state_dict(state, strict=True)
+    return hf_model.eval()
+
+
+def from_nanochat(hf_model: NanoChatForCausalLM, vocab_size: int | None = None) -> GPT:
+    """Our GPT (CPU, float32, eval mode) with a `NanoChatForCausalLM`'s weights; `vocab_size` pads as in
+    `from_gpt2`."""
+    model = GPT(_padded(_nanochat_gpt_config(hf_model.config), vocab_size))
+    src = {k: v.detach().to("cpu", torch.float32) for k, v in hf_model.state_dict().items()}
+    state = {ours: src[theirs] for ours, theirs in _nanochat_key_map(model.config.n_layer).items()}
+    for key in _NANOCHAT_ENDS:
+        state[key] = _fit_vocab(state[key], model.config.vocab_size)
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def _nanochat_gpt_config(hf_config: NanoChatConfig) -> GPTConfig:
+    """Our config for a NanoChat config, refusing the variants our block cannot reproduce."""
+    rope = hf_config.rope_parameters or {}
+    checks = {
+        "hidden_act": (hf_config.hidden_act, "relu2"),
+        "intermediate_size": (hf_config.intermediate_size, 4 * hf_config.hidden_size),
+        "attention_bias": (hf_config.attention_bias, False),
+        "tie_word_embeddings": (hf_config.tie_word_embeddings, False),
+        "rope_type": (rope.get("rope_type", "default"), "default"),
+        "head_dim": (
+            getattr(hf_config, "head_dim", None),
+            (None, hf_config.hidden_size // hf_config.num_attention_heads),
+        ),
+    }
+    for name, (value, allowed) in checks.items():
+        if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+            raise UserError(f"unsupported NanoChat variant: {name}={value!r}, accel_gpt's block needs {allowed!r}")
+    if abs(hf_config.rms_norm_eps - RMS_NORM_EPS) > 1e-12:
+        logger.warning(
+            f"the NanoChat checkpoint's rms_norm_eps is {hf_config.rms_norm_eps}; accel_gpt's norms use "
+            f"{RMS_NORM_EPS}, so its logits differ slightly from the checkpoint's own"
+        )
+    kv = hf_config.num_key_value_heads
+    return GPTConfig(
+        n_layer=hf_config.num_hidden_layers,
+        n_head=hf_config.num_attention_heads,
+        n_embd=hf_config.hidden_size,
+        seq_len=hf_config.max_position_embeddings,
+        vocab_size=hf_config.vocab_size,
+        bias=False,
+        arch="nanochat",
+        n_kv_head=None if kv in (None, hf_config.num_attention_heads) else kv,
+        rope_theta=float(rope.get("rope_theta", 10_000.0)),
+        logit_softcap=float(hf_config.final_logit_softcapping or 0.0),
+    )
+
+
+_CONFIGS = {"gpt2": _gpt2_gpt_config, "nanochat": _nanochat_gpt_config}
 
 
 def check_pickled_weights(folder: Path) -> None:
@@ -231,7 +378,7 @@ def _load_error(path_or_id: str, e: Exception) -> str:
     if "weights_only" in str(e):  # torch refused a pickle from the hub that holds more than tensors
         reason = "its weights file holds something other than tensors: refused as unsafe (unpickling could run code)"
     if Path(path_or_id).expanduser().exists():
-        return f"cannot load transformers GPT-2 '{path_or_id}': {reason}"
+        return f"cannot load transformers model '{path_or_id}': {reason}"
     return f"'{path_or_id}' is not a local folder (no such path{_close_paths(path_or_id)}), and as a hub id: {reason}"
 
 

@@ -168,7 +168,7 @@ def model_card(weights: str | Path, card: ModelCard, n_params: int, license: str
         "license": license,
         "library_name": "transformers",
         "pipeline_tag": "text-generation",
-        "tags": ["gpt2", "accel_gpt"],
+        "tags": [card.model.arch, "accel_gpt"],
     }
     hub_ids = [s.hub_id for s in training.sources if s.hub_id] if training and not training.data_changed else []
     if hub_ids:
@@ -177,13 +177,28 @@ def model_card(weights: str | Path, card: ModelCard, n_params: int, license: str
     parts = [
         f"---\n{yaml.safe_dump(meta, sort_keys=False)}---",
         f"# {title}",
-        f"A GPT-2 language model (`GPT2LMHeadModel`, {n_params / 1e6:.1f}M parameters) trained with accel_gpt: "
-        f"{m.n_layer} layers, {m.n_head} attention heads, a {m.n_embd}-wide residual stream and a {m.seq_len}-token "
-        "context, with GPT-2's tokenizer (50,257 tokens; `<|endoftext|>`, id 50256, separates documents).",
+        f"{ARCHITECTURES[m.arch]} ({n_params / 1e6:.1f}M parameters) trained with accel_gpt: "
+        f"{m.n_layer} layers, {m.n_head} attention heads{_kv_heads(m)}, a {m.n_embd}-wide residual stream and a "
+        f"{m.seq_len}-token context, with GPT-2's tokenizer (50,257 tokens; `<|endoftext|>`, id 50256, separates "
+        "documents).",
     ]
     parts += _training_section(training, card) if training else _no_run_section(card)
     parts += _usage_section(m.seq_len, load_as)
     return "\n\n".join(parts) + "\n"
+
+
+# What the card's first line calls each block: the architecture and the transformers class that loads it.
+ARCHITECTURES = {
+    "gpt2": "A GPT-2 language model (`GPT2LMHeadModel`",
+    "nanochat": (
+        "A language model with nanochat's block (`NanoChatForCausalLM`: rotary positions, parameter-free RMSNorm, "
+        "QK-norm, ReLU² MLP, an untied head with soft-capped logits; transformers >= 5.0"
+    ),
+}
+
+
+def _kv_heads(m: Any) -> str:
+    return f" sharing {m.n_kv_head} key/value heads" if m.n_kv_head and m.n_kv_head != m.n_head else ""
 
 
 def _val_windows(c: dict[str, Any]) -> str:

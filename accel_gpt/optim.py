@@ -21,12 +21,27 @@ from accel_gpt.errors import ConfigError
 
 
 def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings (>= 2-D); never biases or LayerNorm gains (1-D)."""
+    """Decay matrices and embeddings (>= 2-D); never biases or LayerNorm gains (1-D). Empty groups are left out."""
     params = [p for p in params if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay, "role": "decay"},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "role": "no_decay"},
     ]
+    return [group for group in groups if group["params"]]
+
+
+def own_rate_groups(model: nn.Module, cfg: TrainConfig) -> tuple[list[dict], set[int]]:
+    """nanochat's token embedding and untied head: AdamW groups with rates of their own (an untied head does not
+    train well at the embedding's rate) and no weight decay (at the embedding's rate of 0.3 a decay of 0.1 would
+    shrink it by 3% a step). Returns the groups and the ids of their parameters. GPT-2: none."""
+    if cfg.arch != "nanochat":
+        return [], set()
+    embedding, head = model.transformer.wte.weight, model.lm_head.weight
+    groups = [
+        {"params": [embedding], "lr": cfg.embedding_lr, "weight_decay": 0.0, "role": "embedding"},
+        {"params": [head], "lr": cfg.head_lr, "weight_decay": 0.0, "role": "head"},
+    ]
+    return groups, {id(embedding), id(head)}
 
 
 # Devices with torch's fused AdamW kernel that this project runs on (CUDA, and the CPU of tests and laptops).
@@ -35,12 +50,14 @@ FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.Optimizer:
     """AdamW over every parameter, or (`optimizer: muon`) Muon over the blocks' weight matrices and AdamW over the
-    rest: embeddings, the tied LM head, biases and LayerNorm gains, which Muon's orthogonalized update does not suit
-    (an embedding row is updated only where its token occurs; a 1-D gain has no matrix to orthogonalize)."""
+    rest: embeddings, the LM head, biases and LayerNorm gains, which Muon's orthogonalized update does not suit
+    (an embedding row is updated only where its token occurs; a 1-D gain has no matrix to orthogonalize).
+    nanochat's embedding and head take their own rates (`own_rate_groups`) under either optimizer."""
     fused = device_type in FUSED_ADAMW_DEVICES
-    params = list(model.parameters())  # .parameters() lists the tied wte once
+    own, taken = own_rate_groups(model, cfg)
+    params = [p for p in model.parameters() if id(p) not in taken]  # .parameters() lists a tied wte once
     if cfg.optimizer == "adamw":
-        return make_adamw(param_groups(params, cfg.weight_decay), cfg, fused)
+        return make_adamw(param_groups(params, cfg.weight_decay) + own, cfg, fused)
     if not hasattr(torch.optim, "Muon"):
         raise ConfigError(f"optimizer=muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
     matrices = {id(p) for p in model.transformer.h.parameters() if p.dim() == 2}
@@ -52,14 +69,14 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torc
         nesterov=True,
         adjust_lr_fn=cfg.muon_adjust_lr_fn,
     )
-    adamw = make_adamw(param_groups([p for p in params if id(p) not in matrices], cfg.weight_decay), cfg, fused)
-    return MuonAdamW(muon, adamw)
+    rest = param_groups([p for p in params if id(p) not in matrices], cfg.weight_decay)
+    return MuonAdamW(muon, make_adamw(rest + own, cfg, fused))
 
 
 def make_adamw(groups: list[dict], cfg: TrainConfig, fused: bool) -> torch.optim.AdamW:
     """AdamW; the fused kernel updates all parameters in a few launches instead of one per tensor (on CPU, 3.2-5.1x
     faster than the default implementation: `bench/spike_guard.py`), and its `found_inf` flag is how the spike
-    guard cancels a step."""
+    guard cancels a step. A group without its own `lr` takes `learning_rate`."""
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=fused)
 
 
@@ -135,19 +152,20 @@ def can_skip_steps(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def apply_settings(optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> None:
-    """After a resume's `load_state`: the optimizer restored the saved betas, momentum and weight decay; give it
-    this run's (`config`: the run's config as a dict).
+    """After a resume's `load_state`: the optimizer restored the saved betas and weight decay; give it this run's
+    (`config`: the run's config as a dict).
 
-    AdamW's decayed group is the one of matrices (`param_groups` decays >= 2-D parameters only). The same values are
-    written back when nothing changed, so an unchanged resume stays bit-identical. The learning rates are the
-    schedule's (`StepSchedule` recomputes them from this run's config)."""
+    AdamW's decayed group is the one of matrices (its `role`; checkpoints from before roles: the group whose
+    parameters are all >= 2-D). The same values are written back when nothing changed, so an unchanged resume stays
+    bit-identical. The learning rates and Muon's momentum are the schedule's (`StepSchedule` recomputes them from
+    this run's config)."""
     for group in optimizer.param_groups:
         if "betas" not in group:  # a Muon group
-            group["momentum"], group["weight_decay"] = config["muon_momentum"], config["muon_weight_decay"]
-            group["adjust_lr_fn"] = config["muon_adjust_lr_fn"]
+            group["weight_decay"], group["adjust_lr_fn"] = config["muon_weight_decay"], config["muon_adjust_lr_fn"]
             continue
         group["betas"] = (config["beta1"], config["beta2"])
-        if group["params"] and all(p.dim() >= 2 for p in group["params"]):
+        role = group.get("role") or ("decay" if all(p.dim() >= 2 for p in group["params"]) else "no_decay")
+        if role == "decay":
             group["weight_decay"] = config["weight_decay"]
 
 
@@ -201,14 +219,32 @@ def wsd_decay_steps(cfg: TrainConfig) -> int:
     return max(1, math.floor(cfg.decay_fraction * schedule_horizon(cfg) + 0.5))
 
 
+def muon_momentum(step: int, cfg: TrainConfig) -> float:
+    """Muon's momentum for the update of step `step`: from `muon_momentum_start` up to `muon_momentum` in equal steps
+    over `muon_momentum_warmup` steps (nanochat's warm-up: a low momentum while the weights move fast), then that."""
+    warmup = cfg.muon_momentum_warmup
+    if not warmup or step >= warmup:
+        return cfg.muon_momentum
+    return cfg.muon_momentum_start + (cfg.muon_momentum - cfg.muon_momentum_start) * step / warmup
+
+
 class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
-    """LambdaLR whose only resumed state is the step: the rates come from this run's config, never the checkpoint's.
+    """LambdaLR whose only resumed state is the step: the rates (and Muon's momentum) come from this run's config,
+    never the checkpoint's.
 
     A plain LambdaLR restores the saved `base_lrs` and last rate (and the optimizer restores each group's `lr`),
     so the first update after a resume would use the rate the old config computed, and a changed learning_rate
     would never apply. Recomputing from (step, config) gives the same floats when nothing changed (the same
     expression as `get_lr`), so an unchanged resume stays bit-identical.
     """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        super().__init__(optimizer, lambda step: lr_multiplier(step, cfg))
+
+    def step(self, epoch: int | None = None) -> None:
+        super().step(epoch)
+        self._set_momentum()
 
     def load_state_dict(self, state_dict: dict) -> None:
         base_lrs = self.base_lrs
@@ -217,9 +253,18 @@ class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
         self._last_lr = [base * fn(self.last_epoch) for fn, base in zip(self.lr_lambdas, self.base_lrs, strict=True)]
         for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr, strict=True):
             group["initial_lr"], group["lr"] = base, lr
+        self._set_momentum()
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in super().state_dict().items() if k != "cfg"}  # the config is this run's, not saved
+
+    def _set_momentum(self) -> None:
+        for group in self.optimizer.param_groups:
+            if "betas" not in group:  # a Muon group
+                group["momentum"] = muon_momentum(self.last_epoch, self.cfg)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> StepSchedule:
     """The schedule over `lr_multiplier`. Build the Accelerator with `step_scheduler_with_optimizer=False`:
     a prepared scheduler otherwise steps once per process per optimizer step (W times too fast)."""
-    return StepSchedule(optimizer, lambda step: lr_multiplier(step, cfg))
+    return StepSchedule(optimizer, cfg)

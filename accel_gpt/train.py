@@ -192,7 +192,7 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
 
 def build_model(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
     """A fresh GPT, or the weights `init_from` names, checked against the config's shape and the data's tokenizer."""
-    gpt_config = GPTConfig(**{name: getattr(cfg, name) for name in MODEL_FIELDS}, dropout=cfg.dropout)
+    gpt_config = GPTConfig(**cfg.model_settings())
     if cfg.init_from == "none":
         model = GPT(gpt_config)
     else:
@@ -216,9 +216,9 @@ def load_init_from(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
     tokenizer than the data's are refused: their token ids would mean other text."""
     source = Path(cfg.init_from)
     if not (source / MODEL_CONFIG).is_file() and not (source / CHECKPOINTS).is_dir():
-        from accel_gpt.hf import load_transformers_gpt2
+        from accel_gpt.hf import load_transformers
 
-        return load_transformers_gpt2(cfg.init_from, vocab_size=cfg.vocab_size)
+        return load_transformers(cfg.init_from, vocab_size=cfg.vocab_size)
     model, card = load_model(source)  # a run dir without final weights: its newest checkpoint
     if card.tokenizer != tokenizer:
         raise ConfigError(f"init_from {source}: {tokenizer_mismatch(card.tokenizer, tokenizer)} in {cfg.data_dir}")
@@ -287,7 +287,7 @@ def check_token_ids(data_dirs: list[str], manifests: list[dict[str, Any]], vocab
 
 def describe(cfg: TrainConfig, accelerator: Accelerator, run: Run) -> str:
     n_params = sum(p.numel() for p in accelerator.unwrap_model(run.model).parameters())
-    optimizer = "Muon + AdamW" if cfg.optimizer == "muon" else "AdamW"
+    optimizer = f"{cfg.arch} block | " + ("Muon + AdamW" if cfg.optimizer == "muon" else "AdamW")
     if cfg.dropout:
         optimizer += f", dropout {cfg.dropout}"
     return (

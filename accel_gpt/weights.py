@@ -1,17 +1,17 @@
 """Model files that outlive a run: `model.safetensors` + `model_config.json`, and loading any model source.
 
-`model_config.json` holds the GPT shape and the tokenizer, so `eval`, `sample` and `export` need
+`model_config.json` holds the GPT's block and shape and the tokenizer, so `eval`, `sample` and `export` need
 nothing else:
 
-    {"model": {"n_layer": .., "n_head": .., "n_embd": .., "seq_len": .., "vocab_size": .., ...},
+    {"model": {"n_layer": .., "n_head": .., "n_embd": .., "seq_len": .., "vocab_size": .., "arch": .., ...},
      "tokenizer": {"name": "gpt2"} | {"name": "char", "chars": "..."},
      "step": 123}
 
 The same pair sits in the run directory (final weights) and in every checkpoint folder, so any of
 them can be pointed at with `--checkpoint`. The weights are stored under the GPT's own parameter
-names, without the tied `lm_head.weight` (it is `transformer.wte.weight`). A checkpoint folder counts once its
-`COMPLETE` marker is readable (`complete_checkpoints`); a run dir without final weights (still training, or stopped
-early) is read as its newest complete checkpoint.
+names; GPT-2's tied `lm_head.weight` is left out (it is `transformer.wte.weight`), nanochat's untied one is kept.
+A checkpoint folder counts once its `COMPLETE` marker is readable (`complete_checkpoints`); a run dir without final
+weights (still training, or stopped early) is read as its newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import torch
 
 from accel_gpt.errors import UserError, is_main_rank
 from accel_gpt.files import atomic_write_json, make_shareable, replacing
-from accel_gpt.model import GPT, GPTConfig
+from accel_gpt.model import FAMILIES, GPT, GPTConfig
 from accel_gpt.tokenizer import Tokenizer
 
 WEIGHTS = "model.safetensors"
 MODEL_CONFIG = "model_config.json"
-TIED_HEAD = "lm_head.weight"  # stored once, as transformer.wte.weight
+TIED_HEAD = "lm_head.weight"  # GPT-2's: stored once, as transformer.wte.weight
 CHECKPOINTS = "checkpoints"  # a run dir's folder of step_* checkpoints
 COMPLETE = "COMPLETE"  # a checkpoint's marker, written last: the folder is complete
 
@@ -70,7 +70,8 @@ def save_weights(state_dict: dict[str, torch.Tensor], card: ModelCard, out_dir: 
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in state_dict.items() if k != TIED_HEAD}
+    tied = FAMILIES[card.model.arch].tied_head
+    state = {k: v.detach().cpu().contiguous() for k, v in state_dict.items() if not (tied and k == TIED_HEAD)}
     with replacing(out_dir / WEIGHTS) as tmp:
         save_file(state, str(tmp))
         make_shareable(tmp)
@@ -92,28 +93,32 @@ def load_weights(folder: Path) -> tuple[GPT, ModelCard]:
         raise UserError(f"{weights} is not a readable safetensors file: {e}") from None
     model = GPT(card.model)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if set(missing) - {TIED_HEAD} or unexpected:
+    if set(missing) - ({TIED_HEAD} if FAMILIES[card.model.arch].tied_head else set()) or unexpected:
         raise UserError(f"{weights} does not match its {MODEL_CONFIG}: missing {missing}, unexpected {unexpected}")
     return model.eval(), card
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, ModelCard]:
-    """A run dir, a checkpoint dir, or a transformers GPT-2 folder / hub id -> (model in eval mode, its card)."""
+    """A run dir, a checkpoint dir, or a transformers GPT-2 / NanoChat folder or hub id -> (model in eval mode, its
+    card)."""
     p = Path(path)
     if (p / MODEL_CONFIG).is_file():
         model, card = load_weights(p)
     elif (p / CHECKPOINTS).is_dir():
         model, card = load_weights(newest_checkpoint(p))
     elif (p / "config.json").is_file() or (not p.exists() and _looks_like_hub_id(str(path))):
-        from accel_gpt.hf import load_transformers_gpt2
+        from accel_gpt.hf import load_transformers
 
-        model = load_transformers_gpt2(str(path))
+        model = load_transformers(str(path))
         card = ModelCard(model.config, Tokenizer("gpt2"))
     elif not p.exists():
-        raise UserError(f"'{path}' does not exist (a run dir, checkpoint dir, or transformers GPT-2 folder/hub id)")
+        raise UserError(
+            f"'{path}' does not exist (a run dir, checkpoint dir, or transformers GPT-2 or NanoChat folder/hub id)"
+        )
     else:
         raise UserError(
-            f"'{path}' is not a run dir or checkpoint ({MODEL_CONFIG} + {WEIGHTS}) nor a transformers GPT-2 folder"
+            f"'{path}' is not a run dir or checkpoint ({MODEL_CONFIG} + {WEIGHTS}) nor a transformers GPT-2 or "
+            "NanoChat folder"
         )
     return model.to(device).eval(), card
 

@@ -141,16 +141,25 @@ def main() -> None:
     parser.add_argument("--nanogpt", type=Path, required=True, help="the peer's folder: train.py, model.py, ...")
     parser.add_argument("--text", type=Path, required=True, help="tiny Shakespeare's input.txt")
     parser.add_argument("--work", type=Path, default=REPO / "runs" / "char_recipe")
-    parser.add_argument("--steps", type=int, default=2000, help="nanoGPT's and AdamW's iterations (the recipe's)")
-    parser.add_argument("--muon_steps", type=int, default=1000, help="Muon's steps")
+    parser.add_argument("--steps", type=int, default=2000, help="nanoGPT's and the AdamW sides' iterations")
+    parser.add_argument("--muon_steps", type=int, default=1000, help="the Muon sides' steps")
     parser.add_argument(
         "--muon_schedule", choices=["own", "recipe"], default="own",
         help="own: the schedule ends at muon_steps; recipe: the recipe's 2,000-step schedule, stopped at muon_steps",
     )  # fmt: skip
     parser.add_argument("--every", type=int, default=50, help="Muon's checkpoint interval: the crossing's resolution")
-    parser.add_argument("--rounds", type=int, default=1, help="nanoGPT and AdamW runs each, alternating A B, B A, ...")
-    parser.add_argument("--sides", default="nanogpt,adamw,muon")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each side, alternating A B, B A, ...")
+    parser.add_argument("--sides", default="nanogpt,adamw,muon", help=f"nanogpt or one of {', '.join(SIDES)}")
+    parser.add_argument("--flags", default="", help="more train flags for accel_gpt's sides, e.g. '--rope_theta 1e5'")
+    parser.add_argument("--without", default="", help="nanochat sides: parts taken out (bench/ablate.py)")
+    parser.add_argument("--embedding_std", type=float, help="nanochat sides: the embedding's init std")
+    parser.add_argument("--head_std", type=float, help="nanochat sides: the head's init std")
+    parser.add_argument("--tag", default="", help="names these runs in the table: SIDE/TAG")
     args = parser.parse_args()
+    chosen = args.sides.split(",")
+    unknown = [side for side in chosen if side != "nanogpt" and side not in SIDES]
+    if unknown:
+        parser.error(f"--sides {','.join(unknown)}: not one of nanogpt, {', '.join(SIDES)}")
     args.work.mkdir(parents=True, exist_ok=True)
     data_dir = prepare(args.text, args.work)
     val = split_tokens(data_dir, "val")
@@ -163,68 +172,84 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
 
-    train = [sys.executable, "run.py", "train", "--config", "shakespeare-char-cpu", "--data_dir", str(data_dir)]
-    train += ["--overwrite", "true"]
-
     def nanogpt() -> None:
         folder = nanogpt_folder(args.nanogpt, data_dir, args.work)
         cpu = run([sys.executable, "train.py", *NANOGPT_FLAGS, f"--max_iters={args.steps}"], folder, folder / "log")
         loss = score(nanogpt_model(folder / "out" / "ckpt.pt"), val, 64)
         record({"side": "nanogpt", "steps": args.steps, "cpu_s": round(cpu, 1), "val_loss": round(loss, 4)})
 
-    def adamw() -> None:
-        out = args.work / "adamw"
-        cpu = run([*train, "--out_dir", str(out), "--max_steps", str(args.steps)], REPO, args.work / "adamw.log")
-        loss = score(load_model(out)[0], val, 64)
-        record({"side": "adamw", "steps": args.steps, "cpu_s": round(cpu, 1), "val_loss": round(loss, 4)})
-
-    pair = [side for name, side in (("nanogpt", nanogpt), ("adamw", adamw)) if name in args.sides.split(",")]
-    for i in range(args.rounds):
-        for side in pair if i % 2 == 0 else pair[::-1]:
-            side()
-    if "muon" in args.sides.split(","):
-        out = args.work / "muon"
-        flags = ["--optimizer", "muon", "--out_dir", str(out), "--max_steps", str(args.muon_steps), "--schedule_steps"]
-        flags.append(str(args.muon_steps if args.muon_schedule == "own" else args.steps))
-        flags += ["--save_every", str(args.every), "--keep_checkpoints", "0"]
-        cpu = run([*train, *flags], REPO, args.work / "muon.log")
-        saved = complete_checkpoints(out)
-        curve = [(int(p.name.removeprefix("step_")), score(load_model(p)[0], val, 64)) for p in saved]
+    def accel_gpt(side: str) -> None:
+        label = f"{side}/{args.tag}" if args.tag else side
+        arch, optimizer = SIDES[side]
+        out = args.work / label.replace("/", "-")
+        train = ["run.py", "train", "--config", "shakespeare-char-cpu", "--data_dir", str(data_dir), "--overwrite"]
+        train += ["true", "--arch", arch, "--optimizer", optimizer, "--out_dir", str(out), *args.flags.split()]
+        ablated = {"embedding_std": args.embedding_std, "head_std": args.head_std}
+        if arch == "nanochat" and (args.without or any(v is not None for v in ablated.values())):
+            wrapper = ["bench/ablate.py", "--without", args.without]
+            wrapper += [f for name, v in ablated.items() if v is not None for f in (f"--{name}", str(v))]
+            train = [*wrapper, "--", *train[1:]]
+        if optimizer == "adamw":
+            cpu = run([sys.executable, *train, "--max_steps", str(args.steps)], REPO, out.parent / f"{out.name}.log")
+            loss = score(load_model(out)[0], val, 64)
+            record({"side": label, "steps": args.steps, "cpu_s": round(cpu, 1), "val_loss": round(loss, 4)})
+            return
+        horizon = args.muon_steps if args.muon_schedule == "own" else args.steps
+        flags = ["--max_steps", str(args.muon_steps), "--schedule_steps", str(horizon), "--save_every", str(args.every)]
+        cpu = run([sys.executable, *train, *flags, "--keep_checkpoints", "0"], REPO, out.parent / f"{out.name}.log")
+        curve = [
+            (int(p.name.removeprefix("step_")), score(load_model(p)[0], val, 64)) for p in complete_checkpoints(out)
+        ]
         target = next((r["val_loss"] for r in rows if r["side"] == "nanogpt"), None)
         reached = next((step for step, loss in curve if target is not None and loss <= target), None)
-        row = {"side": "muon", "steps": args.muon_steps, "cpu_s": round(cpu, 1), "val_loss": round(curve[-1][1], 4)}
+        row = {"side": label, "steps": args.muon_steps, "cpu_s": round(cpu, 1), "val_loss": round(curve[-1][1], 4)}
         row["curve"] = [[step, round(loss, 4)] for step, loss in curve]
         row["target"], row["steps_to_target"] = target, reached
         row["cpu_s_to_target"] = round(cpu * reached / args.muon_steps, 1) if reached else None
         record(row)
+
+    for i in range(args.rounds):
+        for side in chosen if i % 2 == 0 else chosen[::-1]:
+            nanogpt() if side == "nanogpt" else accel_gpt(side)
     print_table(rows)
 
 
+# accel_gpt's sides: (arch, optimizer). AdamW sides train `--steps` (the recipe's), Muon sides `--muon_steps`.
+SIDES = {
+    "adamw": ("gpt2", "adamw"),
+    "muon": ("gpt2", "muon"),
+    "nanochat-adamw": ("nanochat", "adamw"),
+    "nanochat-muon": ("nanochat", "muon"),
+}
+
+
 def print_table(rows: list[dict]) -> None:
-    """Per side: its runs' median CPU seconds (the losses are deterministic), and the ratio to nanoGPT's."""
+    """Per side: its runs' median CPU seconds (the losses are deterministic), and the ratio to nanoGPT's; then each
+    curve's crossing of nanoGPT's final loss."""
     sides = {}
     for row in rows:
         sides.setdefault(row["side"], []).append(row)
     cpu = {side: statistics.median(r["cpu_s"] for r in runs) for side, runs in sides.items()}
     peer = cpu.get("nanogpt")
-    header = f"{'side':8} {'runs':>4} {'steps':>6} {'CPU s':>8} {'CPU s/step':>10} {'val loss':>9}"
+    width = max(len(side) for side in sides)
+    header = f"{'side':{width}} {'runs':>4} {'steps':>6} {'CPU s':>8} {'CPU s/step':>10} {'val loss':>9}"
     print(f"\n{header} {'CPU / nanoGPT':>14}")
     for side, runs in sides.items():
         last = runs[-1]
         ratio = f"{cpu[side] / peer:.3f}" if peer else "-"
-        per_step = cpu[side] / last["steps"]
-        line = f"{side:8} {len(runs):>4} {last['steps']:>6} {cpu[side]:>8.1f} {per_step:>10.3f}"
-        line += f" {last['val_loss']:>9.4f}"
-        print(f"{line} {ratio:>14}")
-    muon = sides.get("muon", [None])[-1]
-    if muon and peer:
-        if muon["steps_to_target"]:
+        line = f"{side:{width}} {len(runs):>4} {last['steps']:>6} {cpu[side]:>8.1f} {cpu[side] / last['steps']:>10.3f}"
+        print(f"{line} {last['val_loss']:>9.4f} {ratio:>14}")
+    for side, runs in sides.items():
+        last = runs[-1]
+        if "curve" not in last or not peer:
+            continue
+        if last["steps_to_target"]:
             print(
-                f"muon reached nanoGPT's {muon['target']:.4f} at step {muon['steps_to_target']} "
-                f"in {muon['cpu_s_to_target']:.1f} CPU s = {muon['cpu_s_to_target'] / peer:.3f}x nanoGPT's CPU time"
+                f"{side} reached nanoGPT's {last['target']:.4f} at step {last['steps_to_target']} "
+                f"in {last['cpu_s_to_target']:.1f} CPU s = {last['cpu_s_to_target'] / peer:.3f}x nanoGPT's CPU time"
             )
         else:
-            print(f"muon did not reach nanoGPT's {muon['target']} within {muon['steps']} steps")
+            print(f"{side} did not reach nanoGPT's {last['target']} within {last['steps']} steps")
 
 
 if __name__ == "__main__":

@@ -322,6 +322,9 @@ def epoch_chain_runs(data: Path, out: Path) -> dict:
 
 MUON = ("--optimizer", "muon")
 DROPOUT = ("--dropout", "0.2", "--bias", "false")
+# The nanochat block under Muon, its momentum still warming up at the kill (step 4 of 6): the momentum, the own-rate
+# groups of the embedding and head, and the rotary tables (rebuilt, not saved) all ride through the resume.
+NANOCHAT = ("--arch", "nanochat", "--optimizer", "muon", "--muon_momentum_warmup", "6")
 
 
 def killed_and_resumed(processes: int, data: Path, out: Path, *extra: str) -> dict:
@@ -393,6 +396,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data: Path, tiny_data: Path) 
         "muon_ref": lambda: reference(1, data, root / "muon_ref", *MUON),
         "dropout_chain": lambda: killed_and_resumed(2, data, root / "dropout" / "run", *DROPOUT),
         "dropout_ref": lambda: reference(2, data, root / "dropout_ref", *DROPOUT),
+        "nanochat_chain": lambda: killed_and_resumed(1, data, root / "nanochat" / "run", *NANOCHAT),
+        "nanochat_ref": lambda: reference(1, data, root / "nanochat_ref", *NANOCHAT),
     }
     with ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
@@ -503,11 +508,11 @@ def test_w2_sigkill_then_sigterm_then_resume_equals_uninterrupted(runs: dict, re
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "processes"), [("muon", 1), ("dropout", 2)])
+@pytest.mark.parametrize(("name", "processes"), [("muon", 1), ("dropout", 2), ("nanochat", 1)])
 def test_killed_and_resumed_equals_uninterrupted(runs: dict, name: str, processes: int) -> None:
-    """Muon + AdamW (both states in the checkpoint), and dropout 0.2 without biases on 2 processes (each rank's
-    random state in the checkpoint: the resumed steps draw the masks the uninterrupted run drew): SIGKILL during
-    step 4, `--resume auto`, bit-identical to the run never stopped."""
+    """Muon + AdamW (both states in the checkpoint), dropout 0.2 without biases on 2 processes (each rank's
+    random state in the checkpoint: the resumed steps draw the masks the uninterrupted run drew), and the nanochat
+    block (`NANOCHAT`): SIGKILL during step 4, `--resume auto`, bit-identical to the run never stopped."""
     chain, ref = result(runs, f"{name}_chain"), result(runs, f"{name}_ref")
     assert chain["after_kill"] == ["step_00000003"]
     assert_group(chain["final"].stderr, processes)
@@ -801,19 +806,64 @@ def test_init_from_starts_from_the_transformers_weights(runs: dict, data: Path) 
     """The step-1 loss is the loss of the step-0 weights on the first global batch; compute it with transformers."""
     import torch.nn.functional as F
 
-    from accel_gpt.data.loader import TokenWindows, WindowSampler
-
     init = result(runs, "init_from")
     assert init["ok"].returncode == 0, init["ok"].stderr[-4000:]
-    windows = TokenWindows(data, "train", 16)
-    ids = WindowSampler(len(windows), seed=7).permutation(0)[:4].tolist()  # 64 tokens = 4 windows at step 1
-    x = torch.stack([windows[i][0] for i in ids])
-    y = torch.stack([windows[i][1] for i in ids])
+    x, y = first_batch(data)
     with torch.no_grad():
         logits = init["hf_model"](x).logits
     expected = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).item()
     assert expected > math.log(VOCAB) + 1.0  # far from any fresh init: loading nothing could not pass
     assert rows(init["ok_run"])[0]["loss"] == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_nanochat_init_from_works_and_across_blocks_init_and_resume_are_refused(
+    runs: dict, ref: dict[int, Path], data: Path, tmp_path: Path
+) -> None:
+    """--init_from a nanochat run: step 1's loss is the loss of that run's final weights on the first global batch.
+    A GPT-2 run's weights under --arch nanochat, a nanochat run's under gpt2, and a resume across blocks are each
+    one line (exit 2)."""
+    import torch.nn.functional as F
+
+    nanochat = result(runs, "nanochat_ref")
+    short = ["--max_steps", "1", "--save_every", "0", "--eval_every", "0"]
+    train(1, data, tmp_path / "ok", *NANOCHAT, "--init_from", str(nanochat), *short)
+    x, y = first_batch(data)
+    with torch.no_grad():
+        logits, _ = load_model(nanochat)[0](x)
+    expected = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).item()
+    assert expected < math.log(VOCAB) - 0.5  # trained weights, far from a fresh init's ln 256
+    assert rows(tmp_path / "ok")[0]["loss"] == pytest.approx(expected, abs=1e-4)
+    cases = {
+        "gpt2 weights": (
+            ["--arch", "nanochat", "--init_from", str(ref[1])],
+            "has arch=gpt2 but the config says nanochat",
+        ),
+        "nanochat weights": (["--init_from", str(nanochat)], "has arch=nanochat but the config says gpt2"),
+        "resume": (["--arch", "nanochat", "--resume", str(ckpt(ref[1], 8))], "arch was gpt2 there but is nanochat now"),
+    }
+    for name, (flags, message) in cases.items():
+        proc = train(1, data, tmp_path / name.replace(" ", "_"), *flags, *short, check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], (name, proc.stderr[-3000:])
+
+
+def first_batch(data: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4 windows of step 1 (64 tokens at seq_len 16, seed 7), as inputs and targets."""
+    from accel_gpt.data.loader import TokenWindows, WindowSampler
+
+    windows = TokenWindows(data, "train", 16)
+    ids = WindowSampler(len(windows), seed=7).permutation(0)[:4].tolist()
+    return torch.stack([windows[i][0] for i in ids]), torch.stack([windows[i][1] for i in ids])
+
+
+def test_a_checkpoint_from_before_arch_existed_is_gpt2s() -> None:
+    """Checkpoints saved before the nanochat block record no `arch`: they hold GPT-2's block."""
+    saved = {field: 64 for field in RESUME_FIELDS if field not in ("arch", "n_kv_head", "rope_theta", "logit_softcap")}
+    now = {**saved, "arch": "gpt2", "n_kv_head": None, "rope_theta": None, "logit_softcap": None}
+    check_resume_config(saved, now, Path("ck"))
+    with pytest.raises(UserError, match="arch was gpt2 there but is nanochat now"):
+        check_resume_config(saved, {**now, "arch": "nanochat"}, Path("ck"))
 
 
 @pytest.mark.slow

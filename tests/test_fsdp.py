@@ -56,18 +56,20 @@ class Payload:
         return (os.mkdir, (self.path,))
 
 
-def _fsdp_train(control: Path, *args: str) -> None:
+def _fsdp_train(control: Path, *args: str) -> list[dict]:
     control.mkdir(parents=True)
     run_cmd(fsdp_launch("tests/workers/fsdp_on_cpu.py", str(control), "train", *args), timeout=300)
     ranks = [json.loads(p.read_text()) for p in sorted(control.glob("rank_*.json"))]
     assert len(ranks) == 2 and all(r["num_processes"] == 2 and r["is_fsdp2"] for r in ranks), ranks
     assert all(r["dtypes"]["reduce_dtype"] == "torch.float32" for r in ranks), ranks
+    return ranks
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, shakespeare_shards: Path) -> dict[str, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory, shakespeare_shards: Path) -> dict:
     """One process without FSDP (the reference); FSDP for 4 steps; FSDP with activation checkpointing stopped after
-    step 2 of the same 4-step schedule, then resumed to step 4 in the same folder. Checkpoints every 2 steps."""
+    step 2 of the same 4-step schedule, then resumed to step 4 in the same folder. Checkpoints every 2 steps. Then
+    the nanochat block, one process and FSDP, with the modules that FSDP made units."""
     root = tmp_path_factory.mktemp("fsdp")
     common = [*FLAGS, "--data_dir", str(shakespeare_shards)]
     run_cmd(python_cmd("train", *common, "--max_steps", "4", "--out_dir", str(root / "ref")), timeout=300)
@@ -76,7 +78,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shakespeare_shards: Path) -> 
     resumed += ["--out_dir", str(root / "resumed")]
     _fsdp_train(root / "ctl-first", *resumed, "--max_steps", "2")
     _fsdp_train(root / "ctl-resumed", *resumed, "--max_steps", "4", "--resume", "auto")
-    return {"ref": root / "ref", "straight": root / "straight", "resumed": root / "resumed", "data": shakespeare_shards}
+    nanochat = [*common, "--max_steps", "4", "--arch", "nanochat"]
+    run_cmd(python_cmd("train", *nanochat, "--out_dir", str(root / "nanochat-ref")), timeout=300)
+    units = _fsdp_train(root / "ctl-nanochat", *nanochat, "--out_dir", str(root / "nanochat"))[0]["fsdp_units"]
+    return {
+        **{name: root / name for name in ("ref", "straight", "resumed", "nanochat-ref", "nanochat")},
+        "data": shakespeare_shards,
+        "nanochat_units": units,
+    }
 
 
 def _rows(run: Path) -> list[dict]:
@@ -111,6 +120,20 @@ def test_fsdp_steps_match_one_process(runs: dict[str, Path]) -> None:
         load_file(str(runs["ref"] / "model.safetensors")), load_file(str(runs["straight"] / "model.safetensors"))
     )
     assert diff < 5e-5, f"final weights differ by {diff}"
+
+
+@pytest.mark.slow
+def test_fsdp_wraps_each_nanochat_block_and_matches_one_process(runs: dict) -> None:
+    """The nanochat block under FSDP2: each Block is its own unit (fsdp.yaml wraps the class `Block`, which both
+    blocks are), and its steps are one process's, the untied head included."""
+    assert runs["nanochat_units"] == ["", "transformer.h.0", "transformer.h.1"]
+    ref, fsdp = _rows(runs["nanochat-ref"]), _rows(runs["nanochat"])
+    assert [r["step"] for r in fsdp] == [r["step"] for r in ref] == [1, 2, 3, 4]
+    for r, f in zip(ref, fsdp, strict=True):
+        assert abs(r["loss"] - f["loss"]) < 1e-5, (r, f)
+        assert abs(r["grad_norm"] - f["grad_norm"]) < 1e-3 * r["grad_norm"], (r, f)
+    ours, theirs = (load_file(str(runs[name] / "model.safetensors")) for name in ("nanochat-ref", "nanochat"))
+    assert "lm_head.weight" in theirs and _max_diff(ours, theirs) < 5e-5
 
 
 @pytest.mark.slow
@@ -218,12 +241,14 @@ def test_fsdp_launch_without_gpus_is_refused(tmp_path: Path, shakespeare_shards:
 
 
 @pytest.mark.slow
-def test_muon_under_fsdp_is_refused(tmp_path: Path, shakespeare_shards: Path) -> None:
+@pytest.mark.parametrize("arch", ["gpt2", "nanochat"])
+def test_muon_under_fsdp_is_refused(tmp_path: Path, shakespeare_shards: Path, arch: str) -> None:
     """torch.optim.Muon would orthogonalize each rank's shard of a matrix: an FSDP launch with --optimizer muon is
-    refused in one line on every rank, before anything is written."""
+    refused in one line on every rank, before anything is written, whichever the block."""
     out, control = tmp_path / "run", tmp_path / "ctl"
     control.mkdir()
     args = [*FLAGS, "--data_dir", str(shakespeare_shards), "--out_dir", str(out), "--optimizer", "muon"]
+    args += ["--arch", arch]
     proc = run_cmd(fsdp_launch("tests/workers/fsdp_on_cpu.py", str(control), "train", *args), check=False)
     errors = {line for line in proc.stderr.splitlines() if line.startswith("error: ")}
     assert proc.returncode != 0 and len(list(control.glob("rank_*.json"))) == 2, proc.stderr[-3000:]

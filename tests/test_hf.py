@@ -141,11 +141,11 @@ def test_import_refuses_smaller_vocab_and_other_variants():
         hf.from_transformers(tiny_hf(scale_attn_by_inverse_layer_idx=True))
 
 
-def test_load_transformers_gpt2_folder_pads_and_errors_clearly(tmp_path):
+def test_load_transformers_folder_pads_and_errors_clearly(tmp_path):
     src = tiny_hf(vocab_size=100)
     folder = tmp_path / "gpt2-tiny"
     src.save_pretrained(folder)
-    model = hf.load_transformers_gpt2(str(folder), vocab_size=128)
+    model = hf.load_transformers(str(folder), vocab_size=128)
     x = ids(100)
     torch.testing.assert_close(ours(model, x)[..., :100], theirs(src, x), atol=1e-4, rtol=0)
     via_weights, card = load_model(folder)  # --checkpoint on a transformers folder
@@ -153,15 +153,15 @@ def test_load_transformers_gpt2_folder_pads_and_errors_clearly(tmp_path):
     assert via_weights.config.vocab_size == 100 and card.model == via_weights.config
 
     (folder / "model.safetensors").write_bytes(b"\x00not a safetensors file")
-    with pytest.raises(UserError, match="cannot load transformers GPT-2"):
-        hf.load_transformers_gpt2(str(folder))
+    with pytest.raises(UserError, match="cannot load transformers model"):
+        hf.load_transformers(str(folder))
     with pytest.raises(UserError, match=r"'no-such-org/no-such-model' is not a local folder \(no such path\), and as"):
-        hf.load_transformers_gpt2("no-such-org/no-such-model")  # HF_HUB_OFFLINE=1: not cached, not fetched
+        hf.load_transformers("no-such-org/no-such-model")  # HF_HUB_OFFLINE=1: not cached, not fetched
     other = tmp_path / "llama"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(UserError, match="expected a GPT-2 model .* got model_type 'llama'"):
-        hf.load_transformers_gpt2(str(other))
+    with pytest.raises(UserError, match="expected a GPT-2 or NanoChat model .* got .llama."):
+        hf.load_transformers(str(other))
 
 
 class Payload:
@@ -292,7 +292,7 @@ def test_export_logits_match_and_padded_rows_are_dropped(exported):
 def test_export_reimports_with_padding(exported):
     """The init_from path on an export: padding back to 50,304 restores the real rows exactly."""
     model, _, out = exported
-    back = hf.load_transformers_gpt2(str(out), vocab_size=PADDED_VOCAB)
+    back = hf.load_transformers(str(out), vocab_size=PADDED_VOCAB)
     assert back.config == model.config
     wte, orig = back.transformer.wte.weight, model.transformer.wte.weight
     assert torch.equal(wte[:50_257], orig[:50_257])

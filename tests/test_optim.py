@@ -306,8 +306,10 @@ def test_resume_settings_reach_each_optimizer_and_only_its_own_groups() -> None:
     decayed, plain = optimizer.adamw.param_groups
     assert decayed["weight_decay"] == 0.3 and plain["weight_decay"] == 0.0 and decayed["betas"] == (0.9, 0.9)
     (muon,) = optimizer.muon.param_groups
-    assert (muon["momentum"], muon["weight_decay"], muon["adjust_lr_fn"]) == (0.8, 0.05, "match_rms_adamw")
+    assert (muon["momentum"], muon["weight_decay"], muon["adjust_lr_fn"]) == (0.95, 0.05, "match_rms_adamw")
     assert "betas" not in muon
+    make_scheduler(optimizer, muon_cfg(muon_momentum=0.8))  # the momentum is the schedule's, from this run's config
+    assert muon["momentum"] == 0.8
 
 
 def test_muon_refusals_are_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

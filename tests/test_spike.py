@@ -162,6 +162,7 @@ FLAGS = [
     *("--save_every", "10", "--keep_checkpoints", "0"),
 ]
 GUARD = ("--spike_loss_zscore", "5")
+NANOCHAT = ("--arch", "nanochat", "--optimizer", "muon", "--muon_momentum_warmup", "40")
 
 
 def make_data(root: Path, shakespeare_tokens: list[int], planted: bool) -> Path:
@@ -208,6 +209,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]
         "clean_on": lambda: train(1, clean, root / "clean_on", *GUARD),
         "w1": lambda: train(1, planted, root / "w1", *GUARD, "--save_every", "1"),
         "muon": lambda: train(1, planted, root / "muon", *GUARD, "--optimizer", "muon", "--save_every", "1"),
+        "nanochat": lambda: train(1, planted, root / "nanochat", *GUARD, *NANOCHAT, "--save_every", "1"),
         "w2": lambda: train(2, planted, root / "w2", *GUARD),
         "resumed": lambda: stopped_and_resumed(planted, root / "resumed"),
     }
@@ -269,16 +271,18 @@ def test_planted_outlier_batch_is_skipped_and_changes_nothing(runs: dict) -> Non
 
 
 @pytest.mark.slow
-def test_muon_skips_the_planted_step_and_changes_nothing(runs: dict) -> None:
-    """With Muon + AdamW the planted step is skipped too: weights, AdamW's moments and Muon's momentum buffers in its
-    checkpoint are those of the step before, bit for bit, and the next step moves every weight again."""
-    run = runs["root"] / "muon"
+@pytest.mark.parametrize(("name", "matrices"), [("muon", 4), ("nanochat", 6)])
+def test_muon_skips_the_planted_step_and_changes_nothing(runs: dict, name: str, matrices: int) -> None:
+    """With Muon + AdamW the planted step is skipped too, for GPT-2's block and for nanochat's (Muon's momentum
+    warming up, the embedding and head at their own rates): weights, AdamW's moments and Muon's momentum buffers in
+    its checkpoint are those of the step before, bit for bit, and the next step moves every weight again."""
+    run = runs["root"] / name
     assert skipped(run) == [PLANTED]
     before, at, after = (checkpoint(run, step) for step in (PLANTED - 1, PLANTED, PLANTED + 1))
     a, b, c = (load_file(str(ckpt / "model.safetensors")) for ckpt in (before, at, after))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     sa, sb = (optimizer_tensors(torch.load(ckpt / "optimizer.bin", weights_only=True)) for ckpt in (before, at))
-    assert sa.keys() == sb.keys() and sum(k.startswith("muon/") for k in sa) == 2 * 4  # 2 blocks x 4 matrices
+    assert sa.keys() == sb.keys() and sum(k.startswith("muon/") for k in sa) == 2 * matrices  # 2 blocks
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert all(not torch.equal(c[k], b[k]) for k in b), "the next step is applied again"
 

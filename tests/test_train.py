@@ -76,6 +76,30 @@ def test_world_size_invariance(invariance_runs: dict[str, Path], pair: tuple[str
     assert diff < 1e-5, f"final weights differ by {diff}"
 
 
+# The nanochat block with grouped-query attention (2 query heads share 1 key/value head), trained with AdamW.
+NANOCHAT = ("--arch", "nanochat", "--n_kv_head", "1")
+
+
+@pytest.fixture(scope="session")
+def nanochat_runs(tmp_path_factory: pytest.TempPathFactory, small_vocab_data: Path) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("nanochat")
+    return {w: _train(root / f"w{w}", small_vocab_data, w, 2, 64 * 4, *NANOCHAT) for w in (1, 2)}
+
+
+@pytest.mark.slow
+def test_nanochat_world_size_invariance(nanochat_runs: dict[int, Path]) -> None:
+    """The nanochat block under AdamW in fp32: W=2 with 4 micro-steps each takes W=1's steps with 8, to round-off."""
+    rows_1, rows_2 = _rows(nanochat_runs[1]), _rows(nanochat_runs[2])
+    assert [r["step"] for r in rows_1] == [r["step"] for r in rows_2] == list(range(1, 7))
+    assert [r["lr"] for r in rows_1] == [r["lr"] for r in rows_2]
+    for r1, r2 in zip(rows_1, rows_2, strict=True):
+        assert abs(r1["loss"] - r2["loss"]) < 1e-5, (r1, r2)
+        assert abs(r1["grad_norm"] - r2["grad_norm"]) <= 1e-4 * r1["grad_norm"], (r1, r2)
+    w1, w2 = (load_file(str(nanochat_runs[w] / "model.safetensors")) for w in (1, 2))
+    assert w1.keys() == w2.keys() and "lm_head.weight" in w1 and "transformer.wpe.weight" not in w1
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
+
+
 @pytest.fixture(scope="session")
 def muon_runs(tmp_path_factory: pytest.TempPathFactory, small_vocab_data: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("muon")

@@ -10,7 +10,8 @@ Accelerator is built for the CPU group with the trainer's FSDP plugin, its state
 does on GPUs. Preparing (fully_shard), clipping (a DTensor norm), save_state/load_state (torch distributed
 checkpoints) and get_state_dict are then Accelerate's FSDP2 code, and the rest is the real trainer.
 
-Each rank writes CONTROL_DIR/rank_{rank}.json: the group's size and type and the FSDP mixed-precision policy.
+Each rank writes CONTROL_DIR/rank_{rank}.json: the group's size and type and the FSDP mixed-precision policy, and
+once the model is prepared, which of its modules are FSDP units (`fsdp_units`: their names, "" for the root).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import accelerate
+import torch
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 
@@ -46,8 +48,24 @@ def build_with_fsdp_on_cpu(self: accelerate.Accelerator, *args, fsdp_plugin=None
     (control / f"rank_{self.process_index}.json").write_text(json.dumps(info))
 
 
+prepare = accelerate.Accelerator.prepare
+
+
+def prepare_and_record_units(self: accelerate.Accelerator, *args):
+    prepared = prepare(self, *args)
+    from torch.distributed.fsdp import FSDPModule
+
+    model = next(obj for obj in prepared if isinstance(obj, torch.nn.Module))
+    path = control / f"rank_{self.process_index}.json"
+    info = json.loads(path.read_text())
+    info["fsdp_units"] = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    path.write_text(json.dumps(info))
+    return prepared
+
+
 runtime.check_fsdp_can_run = lambda cpu: None
 accelerate.Accelerator.__init__ = build_with_fsdp_on_cpu
+accelerate.Accelerator.prepare = prepare_and_record_units
 
 if __name__ == "__main__":
     main(sys.argv[2:])
