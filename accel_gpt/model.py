@@ -277,7 +277,6 @@ class GPT(nn.Module):
             layers["wpe"] = nn.Embedding(cfg.seq_len, cfg.n_embd)
         layers |= {"drop": nn.Dropout(cfg.dropout), "h": nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))}
         self.transformer = nn.ModuleDict(layers | {"ln_f": family.norm(cfg)})
-        self.embed_norm = RMSNorm() if family.embedding_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if family.tied_head:
             self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
@@ -316,7 +315,9 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx)  # (B, T, C)
         if self.family.learned_positions:
             x = x + self.transformer.wpe(torch.arange(start, start + idx.size(1), device=idx.device))
-        return self.transformer.drop(self.embed_norm(x))
+        if self.family.embedding_norm:
+            x = norm(x)
+        return self.transformer.drop(x)
 
     def forward(
         self,

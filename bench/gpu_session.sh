@@ -13,7 +13,8 @@
 #
 #   1  GPT-2 124M against llm.c's PyTorch trainer and nanoGPT (bench/peers.py; PEERS is a folder holding them,
 #      not part of this repo), same tokens, then accel_gpt with Muon + AdamW (gpt2-124m-muon's optimizer: its cost
-#      per step); four runs of at most 95 s (start, compile, 16 steps of 524,288 tokens)
+#      per step) and the gpt2-124m-nanochat preset (the nanochat block with Muon: its cost per step); five runs of
+#      at most 76 s (start, compile, 16 steps of 524,288 tokens)
 #   2  end to end in bf16: train 124M, SIGKILL it between checkpoints, resume to the end (the steps run twice must
 #      give the same losses); eval with all 10,042 HellaSwag rows (target: under 60 s, start-up included), sample,
 #      export, transformers reads the export. Its compiles reuse phase 1's kernels (one inductor cache folder).
@@ -57,7 +58,8 @@ data=$("$PY" bench/benchlib.py --text "$text")  # GPT-2 tokens written with tikt
 
 export TORCHINDUCTOR_CACHE_DIR="$PWD/runs/inductor-cache"  # one cache for every phase: later compiles reuse kernels
 
-muon=(--variant muon='--optimizer muon --muon_weight_decay 0.01')  # gpt2-124m-muon's optimizer
+muon=(--variant muon='--optimizer muon --muon_weight_decay 0.01'  # gpt2-124m-muon's optimizer
+    --variant nanochat='--config gpt2-124m-nanochat')  # the flags peers.py gives (shape, steps, data) override it
 if [ -n "${DRY_RUN:-}" ]; then  # the same commands at sizes a CPU runs in seconds
     peers=(--steps 3 --warmup 1 --timeout 100)
     ab=(--variant chunk='--loss_chunk 256')
@@ -69,7 +71,7 @@ if [ -n "${DRY_RUN:-}" ]; then  # the same commands at sizes a CPU runs in secon
     limit=(--limit 20)
 else
     tiny=() model=() e2e=() limit=() fsdp_e2e=()
-    peers=(--steps 16 --warmup 5 --timeout 95)
+    peers=(--steps 16 --warmup 5 --timeout 76)
     ab=(--variant chunk='--loss_chunk 16384' --variant cudnn='--attention_backend cudnn')
 fi
 
@@ -94,7 +96,7 @@ case $phase in
 print('torch', torch.__version__, 'accelerate', accelerate.__version__, 'transformers', transformers.__version__)
 print('datasets importable:', importlib.util.find_spec('datasets') is not None)
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
-    # four runs, each appended to peers.jsonl as it ends: past a run's limit only that run is lost
+    # five runs, each appended to peers.jsonl as it ends: past a run's limit only that run is lost
     step 390 "$PY" bench/peers.py --peers .carry/peers --data_dir "$data" --out "$out/peers.jsonl" "${peers[@]}" \
         "${muon[@]}"
     ;;

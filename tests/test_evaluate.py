@@ -93,10 +93,19 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("evaluate")
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(workdir: Path) -> Path:
+# The same shape with nanochat's block: every evaluation below must hold for both blocks.
+NANOCHAT = GPTConfig(**{**TINY.to_dict(), "arch": "nanochat", "bias": False, "n_kv_head": 1, "logit_softcap": 15.0})
+
+
+@pytest.fixture(scope="module", params=[TINY, NANOCHAT], ids=["gpt2", "nanochat"])
+def tiny_checkpoint(workdir: Path, request: pytest.FixtureRequest) -> Path:
     torch.manual_seed(0)
-    return save(GPT(TINY), workdir / "tiny")
+    model = GPT(request.param)
+    if request.param.arch == "nanochat":  # zero-init output projections and a tiny head would score all alike
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    return save(model, workdir / f"tiny-{request.param.arch}")
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +161,8 @@ def launches(workdir: Path, tiny_checkpoint: Path, seven_path: Path, val_data: P
     """`run.py eval` under W = 1, 2, 3 plus the DDP worker under W = 2, launched side by side."""
     common = ["--checkpoint", str(tiny_checkpoint), "--hellaswag", str(seven_path), "--batch_size", str(BATCH)]
     common += ["--data_dir", str(val_data), "--eval_windows", str(EVAL_WINDOWS)]
+    workdir = workdir / f"launches-{tiny_checkpoint.name}"
+    workdir.mkdir()
     jobs = {W: accelerate_cmd(W, "eval", *common, "--out", str(workdir / f"preds_w{W}.jsonl")) for W in WORLD_SIZES}
     worker, worker_out = workdir / "worker.py", workdir / "worker_out"
     worker.write_text(WORKER)
