@@ -104,7 +104,8 @@ LEGACY_DEFAULTS = {"arch": "gpt2", "n_kv_head": None, "rope_theta": None, "logit
 CHANGEABLE_FIELDS = ("learning_rate", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "min_lr_ratio")
 CHANGEABLE_FIELDS += ("lr_schedule", "schedule_steps", "decay_fraction", "max_steps")
 CHANGEABLE_FIELDS += ("spike_loss_zscore", "spike_grad_zscore", "spike_window", "dropout")
-CHANGEABLE_FIELDS += ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr_fn")
+CHANGEABLE_FIELDS += ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr_fn", "muon_ns_steps")
+CHANGEABLE_FIELDS += ("muon_momentum_warmup", "muon_momentum_start", "embedding_lr", "head_lr")
 
 
 @dataclass

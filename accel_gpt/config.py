@@ -283,6 +283,7 @@ class TrainConfig(Config):
         None, "muon: steps over which momentum rises from muon_momentum_start (0 = none; unset: nanochat 300, gpt2 0)"
     )
     muon_momentum_start: float = option(0.85, "muon: the momentum of the first step when muon_momentum_warmup > 0")
+    muon_ns_steps: int = option(5, "muon: Newton-Schulz iterations that orthogonalize each update (torch's ns_steps)")
     embedding_lr: float | None = option(None, "nanochat: AdamW peak rate of the token embedding (unset: 0.3)")
     head_lr: float | None = option(None, "nanochat: AdamW peak rate of the untied LM head (unset: 0.008)")
     seed: int = option(1337, "initial weights and data order")
@@ -345,6 +346,7 @@ class TrainConfig(Config):
             raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         self.resolve_arch()
         at_least(self, 0, "muon_momentum_warmup")
+        at_least(self, 1, "muon_ns_steps")
         if not self.data_dir:
             raise ConfigError("data_dir is required: pass --data_dir DIR (a folder written by `run.py prepare`)")
         if len(set(self.data_dirs)) != len(self.data_dirs):

@@ -139,8 +139,33 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (T, head_dim / 2): 
 
 def norm(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm without a gain over the last dimension. No eps given: torch uses finfo(float32).eps, which is the
-    `rms_norm_eps` an export must write for transformers to give the same logits."""
+    `rms_norm_eps` an export must write for transformers to give the same logits. On a CPU, torch differentiates
+    `rms_norm` op by op (pow, mean, rsqrt, mul and their backwards): `_CpuRMSNorm` gives the same values with a
+    backward of three passes, 10% of a nanochat step there (bench/RESULTS.md). Elsewhere torch's fused kernels."""
+    if x.device.type == "cpu":
+        return _CpuRMSNorm.apply(x)
     return F.rms_norm(x, (x.size(-1),))
+
+
+RMS_EPS = torch.finfo(torch.float32).eps
+
+
+class _CpuRMSNorm(torch.autograd.Function):
+    """y = x / sqrt(mean(x^2) + eps) in fp32 (as `F.rms_norm` computes it, bit for bit); dx = r (g - y mean(g y))."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + RMS_EPS)
+        y = xf * rstd
+        ctx.save_for_backward(y, rstd)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        y, rstd = ctx.saved_tensors
+        g = grad.float()
+        return (rstd * (g - y * (g * y).mean(-1, keepdim=True))).to(grad.dtype)
 
 
 class RMSNorm(nn.Module):

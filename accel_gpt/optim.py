@@ -67,6 +67,7 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torc
         weight_decay=cfg.muon_weight_decay,
         momentum=cfg.muon_momentum,
         nesterov=True,
+        ns_steps=cfg.muon_ns_steps,
         adjust_lr_fn=cfg.muon_adjust_lr_fn,
     )
     rest = param_groups([p for p in params if id(p) not in matrices], cfg.weight_decay)
@@ -162,6 +163,7 @@ def apply_settings(optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> 
     for group in optimizer.param_groups:
         if "betas" not in group:  # a Muon group
             group["weight_decay"], group["adjust_lr_fn"] = config["muon_weight_decay"], config["muon_adjust_lr_fn"]
+            group["ns_steps"] = config.get("muon_ns_steps", 5)  # 5: torch's, before the setting existed
             continue
         group["betas"] = (config["beta1"], config["beta2"])
         role = group.get("role") or ("decay" if all(p.dim() >= 2 for p in group["params"]) else "no_decay")

@@ -75,24 +75,29 @@ def without_zero_init() -> None:
     model.GPT._init_weights = normal_init
 
 
+def apply(without: str, embedding_std: float | None = None, head_std: float | None = None) -> None:
+    """Take the comma-separated parts `without` out of this process's model module, and set the init stds given.
+    The trainer's process and the process that loads its checkpoints must both call it (the shapes may differ)."""
+    for part in filter(None, without.split(",")):
+        if part not in PARTS:
+            raise SystemExit(f"--without {part}: not one of {', '.join(PARTS)}")
+        globals()[f"without_{part}"]()
+    if embedding_std is not None:
+        model.EMBEDDING_STD = embedding_std
+    if head_std is not None:
+        model.HEAD_STD = head_std
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--without", default="", help=f"comma-separated parts: {', '.join(PARTS)}")
     parser.add_argument("--embedding_std", type=float, help="the token embedding's init std (default: the product's)")
     parser.add_argument("--head_std", type=float, help="the untied head's init std (default: the product's)")
     args, rest = parser.parse_known_args()
-    rest = rest[1:] if rest[:1] == ["--"] else rest
-    for part in filter(None, args.without.split(",")):
-        if part not in PARTS:
-            parser.error(f"--without {part}: not one of {', '.join(PARTS)}")
-        globals()[f"without_{part}"]()
-    if args.embedding_std is not None:
-        model.EMBEDDING_STD = args.embedding_std
-    if args.head_std is not None:
-        model.HEAD_STD = args.head_std
+    apply(args.without, args.embedding_std, args.head_std)
     from accel_gpt.cli import main as cli_main
 
-    cli_main(rest)
+    cli_main(rest[1:] if rest[:1] == ["--"] else rest)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from accel_gpt.checkpoint import complete_checkpoints
 from accel_gpt.data import shards
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.weights import load_model
+from bench import ablate
 from bench.benchlib import REPO, child_env
 from bench.peers import CPU_MALLOC
 
@@ -189,6 +190,7 @@ def main() -> None:
             wrapper = ["bench/ablate.py", "--without", args.without]
             wrapper += [f for name, v in ablated.items() if v is not None for f in (f"--{name}", str(v))]
             train = [*wrapper, "--", *train[1:]]
+            ablate.apply(args.without)  # the scorer below loads the ablated model's checkpoints
         if optimizer == "adamw":
             cpu = run([sys.executable, *train, "--max_steps", str(args.steps)], REPO, out.parent / f"{out.name}.log")
             loss = score(load_model(out)[0], val, 64)

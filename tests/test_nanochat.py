@@ -17,6 +17,7 @@ from conftest import SHAKESPEARE, python_cmd, run_cmd
 from transformers import AutoModelForCausalLM, AutoTokenizer, NanoChatForCausalLM
 
 from accel_gpt import hf
+from accel_gpt import model as M
 from accel_gpt.config import NANOCHAT_DEFAULTS, TrainConfig
 from accel_gpt.errors import ConfigError
 from accel_gpt.generate import generate
@@ -281,6 +282,7 @@ def test_unset_settings_take_the_blocks_defaults() -> None:
         ({"logit_softcap": -1}, "logit_softcap=-1.0 must be >= 0"),
         ({"muon_momentum_warmup": -1}, "muon_momentum_warmup=-1 must be >= 0"),
         ({"muon_momentum_start": 1.0}, r"muon_momentum_start=1.0 must be in \[0, 1\)"),
+        ({"muon_ns_steps": 0}, "muon_ns_steps=0 must be >= 1"),
         ({"arch": "llama"}, "arch='llama' is not one of gpt2, nanochat"),
     ],
 )  # fmt: skip
@@ -431,3 +433,30 @@ def test_the_char_recipe_preset_takes_the_block_as_a_flag(tmp_path: Path) -> Non
     assert config["muon_momentum_warmup"] == NANOCHAT_DEFAULTS["muon_momentum_warmup"]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss"] == pytest.approx(math.log(65), abs=0.1) and rows[-1]["val_loss"] < 2.7
+
+
+@pytest.mark.slow
+def test_the_export_reads_back_as_the_runs_weights(nanochat_run: dict) -> None:
+    """What `--init_from`, `eval` and `sample` do with a NanoChat folder: the trainer's weights come back (the padded
+    vocabulary rows refilled, see `hf._fit_vocab`), the same block and settings."""
+    model, card = load_model(nanochat_run["run"])
+    back = hf.load_transformers(str(nanochat_run["export"]), vocab_size=card.model.vocab_size)
+    assert back.config == card.model
+    ours, theirs = model.state_dict(), back.state_dict()
+    for key, value in ours.items():
+        rows = slice(0, 50_257) if key in ("transformer.wte.weight", "lm_head.weight") else slice(None)
+        assert torch.equal(theirs[key][rows], value[rows]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_norm_is_torchs_rms_norm_with_its_gradient(dtype: torch.dtype) -> None:
+    """The CPU norm's own backward: the same values as `F.rms_norm` bit for bit (what the export rests on), and the
+    gradient autograd gives through torch's op, to round-off; a q/k-shaped input too."""
+    for shape in [(3, 16, 32), (3, 16, 4, 8)]:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+        ours, theirs = M.norm(x), F.rms_norm(x, (shape[-1],))
+        assert ours.dtype == dtype and torch.equal(ours, theirs)
+        (grad_ours,), (grad_theirs,) = torch.autograd.grad(ours, x, g), torch.autograd.grad(theirs, x, g)
+        tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(grad_ours, grad_theirs, atol=tolerance, rtol=tolerance)

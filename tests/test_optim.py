@@ -301,12 +301,13 @@ def test_muon_state_round_trips_and_continues_bit_identically() -> None:
 def test_resume_settings_reach_each_optimizer_and_only_its_own_groups() -> None:
     optimizer = make_optimizer(tiny_gpt(), muon_cfg(), "cpu")
     config = muon_cfg(weight_decay=0.3, beta2=0.9, muon_momentum=0.8, muon_weight_decay=0.05).to_dict()
-    config["muon_adjust_lr_fn"] = "match_rms_adamw"
+    config["muon_adjust_lr_fn"], config["muon_ns_steps"] = "match_rms_adamw", 3
     apply_settings(optimizer, config)
     decayed, plain = optimizer.adamw.param_groups
     assert decayed["weight_decay"] == 0.3 and plain["weight_decay"] == 0.0 and decayed["betas"] == (0.9, 0.9)
     (muon,) = optimizer.muon.param_groups
     assert (muon["momentum"], muon["weight_decay"], muon["adjust_lr_fn"]) == (0.95, 0.05, "match_rms_adamw")
+    assert muon["ns_steps"] == 3
     assert "betas" not in muon
     make_scheduler(optimizer, muon_cfg(muon_momentum=0.8))  # the momentum is the schedule's, from this run's config
     assert muon["momentum"] == 0.8
