@@ -212,6 +212,7 @@ NANOCHAT_DEFAULTS: dict[str, Any] = {
     "embedding_lr": 0.3,
     "head_lr": 0.008,
     "muon_momentum_warmup": 300,
+    "muon_ns_steps": 4,
 }
 # What GPT-2's block has instead of each nanochat-only setting: said when one is given with arch gpt2.
 NANOCHAT_ONLY = {
@@ -283,7 +284,9 @@ class TrainConfig(Config):
         None, "muon: steps over which momentum rises from muon_momentum_start (0 = none; unset: nanochat 300, gpt2 0)"
     )
     muon_momentum_start: float = option(0.85, "muon: the momentum of the first step when muon_momentum_warmup > 0")
-    muon_ns_steps: int = option(5, "muon: Newton-Schulz iterations that orthogonalize each update (torch's ns_steps)")
+    muon_ns_steps: int | None = option(
+        None, "muon: Newton-Schulz iterations per update (torch's ns_steps; unset: nanochat 4, gpt2 5, torch's)"
+    )
     embedding_lr: float | None = option(None, "nanochat: AdamW peak rate of the token embedding (unset: 0.3)")
     head_lr: float | None = option(None, "nanochat: AdamW peak rate of the untied LM head (unset: 0.008)")
     seed: int = option(1337, "initial weights and data order")
@@ -398,6 +401,7 @@ class TrainConfig(Config):
                 )
             self.bias = True if self.bias is None else self.bias
             self.muon_momentum_warmup = self.muon_momentum_warmup or 0
+            self.muon_ns_steps = 5 if self.muon_ns_steps is None else self.muon_ns_steps
             return
         if self.bias:
             raise ConfigError("bias=true: nanochat's block has no biases; drop --bias or set --arch gpt2")

@@ -5,9 +5,10 @@ GPT-2: both models use GPT-2's parameter names, so converting is a key-for-key c
 GPT-2 keeps its projections in `Conv1D`, whose weight is stored (in, out), while ours are `nn.Linear`,
 stored (out, in). Those four weights per block are transposed; everything else is copied as is.
 
-NanoChat: a rename of the seven weights per model part (`_NANOCHAT_KEYS`); its norms have no weights. Two settings
-decide whether the logits are the same: `rms_norm_eps` must be the eps `F.rms_norm` uses when given none, and the
-rotary angles must turn the same way (ours follow the class's convention, so nothing is negated).
+NanoChat: a rename of each weight (`_NANOCHAT_KEYS`: six per block, then the embedding and the untied head); its
+norms have no weights. Two settings decide whether the logits are the same: `rms_norm_eps` must be the eps
+`F.rms_norm` uses when given none, and the rotary angles must turn the same way (ours follow the class's convention,
+so nothing is negated).
 
 GPT-2's vocab.json and merges.txt are derived from tiktoken's mergeable ranks (the same source that `prepare`
 tokenizes with), so a transformers tokenizer built from them gives tiktoken's ids.
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from accel_gpt.errors import UserError
-from accel_gpt.model import GPT, GPTConfig
+from accel_gpt.model import GPT, RMS_EPS, GPTConfig
 from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB
 
 if TYPE_CHECKING:
@@ -225,8 +226,6 @@ def _padded(cfg: GPTConfig, vocab_size: int | None) -> GPTConfig:
 
 # ---------------------------------------------------------------- NanoChat
 
-# What `F.rms_norm` uses when given no eps (finfo(float32).eps): the export's `rms_norm_eps` must be this value.
-RMS_NORM_EPS = torch.finfo(torch.float32).eps
 # Ours -> NanoChatForCausalLM's, for the parts of block i (the embedding and the head are mapped whole).
 _NANOCHAT_KEYS = {
     "attn.c_q.weight": "self_attn.q_proj.weight",
@@ -256,7 +255,7 @@ def nanochat_config(cfg: GPTConfig, vocab_size: int | None = None) -> NanoChatCo
         max_position_embeddings=cfg.seq_len,
         hidden_act="relu2",
         attention_dropout=cfg.dropout,
-        rms_norm_eps=RMS_NORM_EPS,
+        rms_norm_eps=RMS_EPS,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         final_logit_softcapping=cfg.logit_softcap or None,
         attention_bias=False,
@@ -317,10 +316,10 @@ def _nanochat_gpt_config(hf_config: NanoChatConfig) -> GPTConfig:
     for name, (value, allowed) in checks.items():
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
             raise UserError(f"unsupported NanoChat variant: {name}={value!r}, accel_gpt's block needs {allowed!r}")
-    if abs(hf_config.rms_norm_eps - RMS_NORM_EPS) > 1e-12:
+    if abs(hf_config.rms_norm_eps - RMS_EPS) > 1e-12:
         logger.warning(
             f"the NanoChat checkpoint's rms_norm_eps is {hf_config.rms_norm_eps}; accel_gpt's norms use "
-            f"{RMS_NORM_EPS}, so its logits differ slightly from the checkpoint's own"
+            f"{RMS_EPS}, so its logits differ slightly from the checkpoint's own"
         )
     kv = hf_config.num_key_value_heads
     return GPTConfig(

@@ -46,8 +46,9 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"arch={self.arch!r} is not one of {', '.join(ARCHS)}")
-        if self.arch == "nanochat" and self.rope_theta is None:
-            self.rope_theta = 10_000.0
+        if self.arch == "nanochat":  # no biases in this block; the rotary base its own default
+            self.bias = False
+            self.rope_theta = 10_000.0 if self.rope_theta is None else self.rope_theta
 
     @property
     def head_dim(self) -> int:
@@ -148,6 +149,7 @@ def norm(x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
 
+# What `F.rms_norm` uses when given no eps, whatever the input's dtype: an export's `rms_norm_eps` must be this.
 RMS_EPS = torch.finfo(torch.float32).eps
 
 

@@ -72,7 +72,7 @@ def test_every_preset_loads(cls: type[Config], preset: str) -> None:
 
 def test_presets_are_found_per_command() -> None:
     assert preset_names(TrainConfig) == [
-        "gpt2-124m", "gpt2-124m-muon", "gpt2-large", "gpt2-medium",
+        "gpt2-124m", "gpt2-124m-muon", "gpt2-124m-nanochat", "gpt2-large", "gpt2-medium",
         "shakespeare-char", "shakespeare-char-cpu", "tiny-cpu",
     ]  # fmt: skip
     assert preset_names(PrepareConfig) == ["fineweb-edu-10B", "shakespeare-char", "tinyshakespeare"]
@@ -159,7 +159,7 @@ def test_misspelt_preset_names_the_close_ones() -> None:
         preset_values(TrainConfig, "tiny-cpuu")
     with pytest.raises(ConfigError, match="nor a prepare preset; did you mean tinyshakespeare"):
         preset_values(PrepareConfig, "tinyshakespear")
-    with pytest.raises(ConfigError, match="presets: gpt2-124m, gpt2-124m-muon, gpt2-large, .*, tiny-cpu$"):
+    with pytest.raises(ConfigError, match="presets: gpt2-124m, gpt2-124m-muon, gpt2-124m-nanochat, .*, tiny-cpu$"):
         preset_values(TrainConfig, "nothing-like-it")
 
 

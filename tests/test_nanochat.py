@@ -260,6 +260,9 @@ def test_unset_settings_take_the_blocks_defaults() -> None:
     assert cfg.bias is False and cfg.n_kv_head is None
     gpt2 = TrainConfig(data_dir="x")
     assert (gpt2.bias, gpt2.rope_theta, gpt2.logit_softcap, gpt2.muon_momentum_warmup) == (True, None, None, 0)
+    assert gpt2.muon_ns_steps == 5  # torch's, as before the setting existed
+    with pytest.raises(ConfigError, match="muon_ns_steps=0 must be >= 1"):
+        TrainConfig(data_dir="x", muon_ns_steps=0)
     model = GPT(GPTConfig(**cfg.model_settings()))
     assert model.config.rope_theta == NANOCHAT_DEFAULTS["rope_theta"] and model.config.arch == "nanochat"
     assert GPT(GPTConfig(**gpt2.model_settings())).config == GPTConfig(n_layer=12)  # GPT-2's block, as ever
