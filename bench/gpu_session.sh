@@ -59,7 +59,7 @@ data=$("$PY" bench/benchlib.py --text "$text")  # GPT-2 tokens written with tikt
 export TORCHINDUCTOR_CACHE_DIR="$PWD/runs/inductor-cache"  # one cache for every phase: later compiles reuse kernels
 
 muon=(--variant muon='--optimizer muon --muon_weight_decay 0.01'  # gpt2-124m-muon's optimizer
-    --variant nanochat='--config gpt2-124m-nanochat')  # the flags peers.py gives (shape, steps, data) override it
+    --variant nanochat='--config gpt2-124m-nanochat --hellaswag_every 0')  # peers.py's flags (shape, steps) win
 if [ -n "${DRY_RUN:-}" ]; then  # the same commands at sizes a CPU runs in seconds
     peers=(--steps 3 --warmup 1 --timeout 100)
     ab=(--variant chunk='--loss_chunk 256')
