@@ -22,7 +22,7 @@ import logging
 import pickle
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -160,9 +160,7 @@ def _gpt2_gpt_config(hf_config: GPT2Config) -> GPTConfig:
         "add_cross_attention": (getattr(hf_config, "add_cross_attention", False), False),
         "tie_word_embeddings": (getattr(hf_config, "tie_word_embeddings", True), True),
     }
-    for name, (value, allowed) in checks.items():
-        if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
-            raise UserError(f"unsupported GPT-2 variant: {name}={value!r}, accel_gpt's GPT needs {allowed!r}")
+    _refuse_variants("GPT-2", checks)
     return GPTConfig(
         n_layer=hf_config.n_layer,
         n_head=hf_config.n_head,
@@ -313,9 +311,7 @@ def _nanochat_gpt_config(hf_config: NanoChatConfig) -> GPTConfig:
             (None, hf_config.hidden_size // hf_config.num_attention_heads),
         ),
     }
-    for name, (value, allowed) in checks.items():
-        if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
-            raise UserError(f"unsupported NanoChat variant: {name}={value!r}, accel_gpt's block needs {allowed!r}")
+    _refuse_variants("NanoChat", checks)
     if abs(hf_config.rms_norm_eps - RMS_EPS) > 1e-12:
         logger.warning(
             f"the NanoChat checkpoint's rms_norm_eps is {hf_config.rms_norm_eps}; accel_gpt's norms use "
@@ -337,6 +333,13 @@ def _nanochat_gpt_config(hf_config: NanoChatConfig) -> GPTConfig:
 
 
 _CONFIGS = {"gpt2": _gpt2_gpt_config, "nanochat": _nanochat_gpt_config}
+
+
+def _refuse_variants(model: str, checks: dict[str, tuple[Any, Any]]) -> None:
+    """One line for the first setting (name: (value, allowed value or tuple of them)) our GPT cannot reproduce."""
+    for name, (value, allowed) in checks.items():
+        if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+            raise UserError(f"unsupported {model} variant: {name}={value!r}, accel_gpt's GPT needs {allowed!r}")
 
 
 def check_pickled_weights(folder: Path) -> None:
