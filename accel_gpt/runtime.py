@@ -29,7 +29,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 
 from accel_gpt.errors import ConfigError
-from accel_gpt.workarounds import check_fsdp_can_run, check_group, cpu_only
+from accel_gpt.workarounds import check_claims_can_hold, check_fsdp_can_run, check_group, cpu_only
 
 
 def make_accelerator(
@@ -47,7 +47,9 @@ def make_accelerator(
     """
     cpu = cpu_only()
     check_fsdp_can_run(cpu)
-    fsdp = fsdp_plugin(kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+    precision = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    check_claims_can_hold(cpu, precision)
+    fsdp = fsdp_plugin(precision)
     if cpu and keep_memory:  # training's fixed shapes reuse the kept buffers; eval's varying ones fragment them
         keep_freed_memory()
     launch = ElasticLaunch.from_env()

@@ -15,6 +15,11 @@ when Accelerate changes:
   which under another accumulation puts gradient syncs off the optimizer-step boundaries.
 - `check_fsdp_can_run`: on a machine without GPUs an FSDP launch silently trains as plain data parallelism
   (accelerate/state.py, `AcceleratorState.__init__` switches to FSDP only in its branch for accelerator devices).
+- `check_claims_can_hold`: on a CPU Accelerate accepts `mixed_precision: fp16` and then computes in fp32 (no
+  autocast, no scaler: accelerate/accelerator.py, `Accelerator.__init__` enables native AMP for fp16 only on
+  accelerator devices), so a run would record fp16 and train in fp32; and a `distributed_type: DEEPSPEED` launch
+  hands the trainer a ZeRO engine it never prepares for (its checkpoints, spike guard and exports are DDP's and
+  FSDP's), which on a CPU even trains on as plain data parallelism without a word.
 - `check_pickles_are_safe`: `load_state` unpickles registered objects with `weights_only=False`
   (accelerate/checkpointing.py, `load_custom_state`), which runs any code a crafted file names; under FSDP it
   reads torch distributed checkpoints, whose index is a plain pickle (torch/distributed/checkpoint/filesystem.py,
@@ -93,6 +98,22 @@ def check_fsdp_can_run(cpu: bool) -> None:
             "the launch asks for FSDP (ACCELERATE_USE_FSDP=true, e.g. accelerate_configs/fsdp.yaml) but this machine "
             "has no GPU, and on a CPU Accelerate would silently train without FSDP; launch with "
             "--config_file accelerate_configs/cpu_2proc.yaml instead"
+        )
+
+
+def check_claims_can_hold(cpu: bool, mixed_precision: str) -> None:
+    """Refuse fp16 on a CPU and any DeepSpeed launch (ACCELERATE_USE_DEEPSPEED), in one line each, before anything is
+    built: what the run would record is not what it would do (see the module)."""
+    if cpu and mixed_precision == "fp16":
+        raise UserError(
+            "mixed_precision fp16 on a CPU: Accelerate would train in fp32 while the run records fp16; use bf16 "
+            "(CPUs with bf16 support) or no, e.g. --mixed_precision bf16, or an accelerate config with bf16 or no"
+        )
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise UserError(
+            "the launch asks for DeepSpeed (distributed_type: DEEPSPEED), which accel_gpt does not support: shard "
+            "parameters, gradients and optimizer state with FSDP instead (accelerate_configs/fsdp.yaml), or train "
+            "with DDP (accelerate_configs/multi_gpu.yaml)"
         )
 
 

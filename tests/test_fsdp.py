@@ -256,3 +256,31 @@ def test_muon_under_fsdp_is_refused(tmp_path: Path, shakespeare_shards: Path, ar
     assert proc.returncode != 0 and len(list(control.glob("rank_*.json"))) == 2, proc.stderr[-3000:]
     assert len(errors) == 1 and "optimizer=muon cannot train under FSDP" in errors.pop(), proc.stderr[-3000:]
     assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("flag", "mixed_precision fp16 on a CPU: Accelerate would train in fp32 while the run records fp16"),
+        ("launch", "mixed_precision fp16 on a CPU: Accelerate would train in fp32 while the run records fp16"),
+        ("deepspeed", "the launch asks for DeepSpeed (distributed_type: DEEPSPEED), which accel_gpt does not support"),
+    ],
+)
+def test_claims_the_run_could_not_keep_are_refused(
+    tmp_path: Path, shakespeare_shards: Path, how: str, message: str
+) -> None:
+    """fp16 on a CPU (the train flag, or the launch's precision), and a DeepSpeed launch (the variable `accelerate
+    launch` sets from `distributed_type: DEEPSPEED`): one line, exit 2, nothing written. Accelerate alone would train
+    in fp32 while recording fp16, and without ZeRO."""
+    out = tmp_path / "run"
+    args = ["train", "--config", "tiny-cpu", "--data_dir", str(shakespeare_shards), "--out_dir", str(out)]
+    if how == "flag":
+        proc = run_cmd(python_cmd(*args, "--mixed_precision", "fp16"), check=False)
+    elif how == "launch":
+        proc = run_cmd(python_cmd(*args), check=False, ACCELERATE_MIXED_PRECISION="fp16")
+    else:
+        proc = run_cmd(python_cmd(*args), check=False, ACCELERATE_USE_DEEPSPEED="true")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not out.exists()
