@@ -417,9 +417,9 @@ class TrainConfig(Config):
         kv = self.n_kv_head
         if kv is not None and (kv < 1 or self.n_head % kv):
             raise ConfigError(f"n_kv_head={kv} must divide n_head={self.n_head} (each key/value head serves a group)")
-        if self.rope_theta <= 0 or self.embedding_lr <= 0 or self.head_lr <= 0:
-            name = next(n for n in ("rope_theta", "embedding_lr", "head_lr") if getattr(self, n) <= 0)
-            raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        for name in ("rope_theta", "embedding_lr", "head_lr"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
         at_least(self, 0, "logit_softcap")
 
     @property

@@ -183,8 +183,7 @@ def load_transformers(path_or_id: str, vocab_size: int | None = None) -> GPT:
 
     try:
         hf_config = AutoConfig.from_pretrained(path_or_id)
-        _arch(hf_config)  # refuse other architectures before reading their weights
-        _CONFIGS[hf_config.model_type](hf_config)
+        _CONFIGS[_arch(hf_config)](hf_config)  # refuse other architectures and variants before reading weights
         check_pickled_weights(Path(path_or_id))
         hf_model = AutoModelForCausalLM.from_pretrained(path_or_id, config=hf_config, dtype=torch.float32)
     except UserError:

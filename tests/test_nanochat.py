@@ -1,6 +1,7 @@
 """The nanochat block (`arch: nanochat`) in-process: what it computes, against transformers' NanoChatForCausalLM and
-by hand; its settings and their refusals; its optimizer groups and Muon's momentum warm-up. Real-process runs of it
-(invariance, resume, spike guard, FSDP, export, evaluation) sit beside the GPT-2 block's in the other test files."""
+by hand; its settings and their refusals; its optimizer groups and Muon's momentum warm-up; then one real run,
+exported (transformers, lm-evaluation-harness, `run.py sample`). Its other real-process runs (invariance, resume,
+spike guard, FSDP, evaluation) sit beside the GPT-2 block's in the other test files."""
 
 from __future__ import annotations
 
