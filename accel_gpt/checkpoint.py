@@ -46,14 +46,12 @@ resumes under any W' with the same `total_batch_size`.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +65,16 @@ from accelerate.utils.constants import RNG_STATE_NAME
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.data.shards import sha256_file
 from accel_gpt.errors import UserError
-from accel_gpt.files import atomic_write_json, fsync_dir, fsync_tree, make_shareable, publish, remove
+from accel_gpt.files import (
+    atomic_write_json,
+    fsync_dir,
+    fsync_tree,
+    make_shareable,
+    publish,
+    remove,
+    tensor_bytes,
+    write_failure,
+)
 from accel_gpt.optim import apply_settings
 from accel_gpt.rundir import same_on_every_rank
 from accel_gpt.shared_storage import agreement, gather_views
@@ -97,7 +104,8 @@ FSDP_MODEL_PREFIX = "pytorch_model_fsdp"  # Accelerate's name for the model save
 # Fields that a resumed run must share with its checkpoint: the model's shape, the global batch (it fixes how
 # far the data stream advances per step) and the seed (it fixes the data order).
 RESUME_FIELDS = (*MODEL_FIELDS, "total_batch_size", "seed")
-# The values of model fields added later, in checkpoints saved before they existed: every such run was GPT-2's block.
+# The values of model fields added later, in checkpoints saved before they existed: every such run was GPT-2's block
+# (`gelu` came after nanochat's block: `check_resume_config` gives it the tanh GELU under gpt2, none under nanochat).
 LEGACY_DEFAULTS = {"arch": "gpt2", "n_kv_head": None, "rope_theta": None, "logit_softcap": None}
 # Settings a resume may change; each change is logged. The optimizer's are re-applied after `load_state`, which
 # restores the saved ones; the schedule's and grad_clip are read from the config at every step anyway.
@@ -182,9 +190,16 @@ class Checkpointer:
     """
 
     def __init__(
-        self, cfg: TrainConfig, accelerator: Accelerator, card: ModelCard, state: TrainState, model: torch.nn.Module
+        self,
+        cfg: TrainConfig,
+        accelerator: Accelerator,
+        card: ModelCard,
+        state: TrainState,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
     ) -> None:
         self.accelerator, self.card, self.state, self.model = accelerator, card, state, model
+        self.optimizer = optimizer
         self.fsdp = accelerator.distributed_type == DistributedType.FSDP
         self.out_dir, self.every = Path(cfg.out_dir), cfg.save_every
         self.keep, self.keep_best = cfg.keep_checkpoints, cfg.keep_best or cfg.final_weights == "best"
@@ -210,13 +225,14 @@ class Checkpointer:
         self.accelerator.wait_for_everyone()
         handle = self.accelerator.register_save_state_pre_hook(drop_tied_head)
         try:
-            error = write_failure(root, lambda: self.accelerator.save_state(str(tmp)))
+            error = write_failure(root, lambda: self.accelerator.save_state(str(tmp)), self.size())
         finally:
             handle.remove()
         error = any_rank_error(self.accelerator, error)  # also the barrier: every rank's RNG file is in tmp
         weights = self.accelerator.get_state_dict(self.model) if self.fsdp and error is None else None  # collective
         if error is None and self.accelerator.is_main_process:
-            error = write_failure(root, lambda: self._publish(tmp, final, val_loss, weights))
+            size = tensor_bytes((weights or {}).values())  # the gathered weights under FSDP; else small files
+            error = write_failure(root, lambda: self._publish(tmp, final, val_loss, weights), size)
         error = same_on_every_rank(self.accelerator, error)
         if error is not None:
             if self.accelerator.is_main_process:
@@ -228,6 +244,11 @@ class Checkpointer:
             logger.info(f"saved checkpoint {final}")
         self.accelerator.wait_for_everyone()
         return final
+
+    def size(self) -> int:
+        """About the bytes a save writes from this process: the model's weights and the optimizer's state."""
+        moments = (v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+        return tensor_bytes(self.model.parameters()) + tensor_bytes(moments)
 
     def _publish(self, tmp: Path, final: Path, val_loss: float | None, weights: dict[str, Any] | None) -> None:
         """`weights`: under FSDP, the gathered state dict (see the module), written as model.safetensors."""
@@ -278,7 +299,7 @@ class Checkpointer:
             "make room (or fix the folder), then continue with --resume auto"
         )
 
-    def resume(self, resume: str, optimizer: torch.optim.Optimizer) -> None:
+    def resume(self, resume: str) -> None:
         """Restore the checkpoint `resume` names into every registered object on every rank (or start at 0).
 
         Everything is checked before anything is restored (its files against the checksums its marker recorded,
@@ -314,7 +335,7 @@ class Checkpointer:
         self.state.config, self.state.data, self.state.num_processes = config, data, processes
         if saved.num_processes and saved.num_processes != processes:
             logger.warning(other_group_note(path, saved.num_processes, processes))
-        apply_settings(optimizer, config)
+        apply_settings(self.optimizer, config)
         for name in changed_settings(saved.config, config):
             logger.info(f"resume: {name} {saved.config[name]} -> {config[name]}")
         if resume != "auto":
@@ -331,29 +352,6 @@ class Checkpointer:
                     f"abandoned line to {retired[0]} (nothing deleted); --resume auto now follows this run"
                 )
         self.accelerator.wait_for_everyone()
-
-
-FULL_DISK_BYTES = 1 << 20  # less free space than this, after a failed write, means the disk is full
-
-
-def write_failure(folder: Path, write: Callable[[], object]) -> str | None:
-    """Run `write`; None when it worked, else why it could not write into `folder`, in words.
-
-    A full disk reaches us as torch's `basic_ios::clear: iostream error` or safetensors' own error type, neither an
-    OSError with ENOSPC: what the free space says decides (a folder gone read-only is asked first). Other failures
-    that are not failed writes propagate."""
-    try:
-        write()
-    except Exception as e:
-        if (isinstance(e, OSError) and e.errno == errno.EROFS) or not os.access(folder, os.W_OK):
-            return f"{folder} has become read-only"
-        with contextlib.suppress(OSError):
-            if shutil.disk_usage(folder).free < FULL_DISK_BYTES:
-                return "no space left on the device"
-        if isinstance(e, OSError):
-            return "no space left on the device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
-        raise
-    return None
 
 
 def any_rank_error(accelerator: Accelerator, error: str | None) -> str | None:
@@ -524,8 +522,9 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Pa
             f"cannot resume from {path}: it was trained with --optimizer {was}, whose state does not carry over to "
             f"{now}; resume with --optimizer {was}, or start a new run from its weights with --init_from {path}"
         )
+    legacy = LEGACY_DEFAULTS | {"gelu": "tanh" if saved.get("arch", "gpt2") == "gpt2" else None}
     for name in RESUME_FIELDS:
-        was = saved.get(name, LEGACY_DEFAULTS.get(name, current[name]))  # fields a checkpoint predates had these
+        was = saved.get(name, legacy.get(name, current[name]))  # fields a checkpoint predates had these
         if was != current[name]:
             raise UserError(
                 f"cannot resume from {path}: {name} was {was} there but is {current[name]} now "

@@ -202,7 +202,7 @@ def at_least(cfg: Config, minimum: float, *names: str) -> None:
 
 # Fields that define the model's shape: a resume or init that changes one of these cannot load weights.
 MODEL_FIELDS = ("arch", "n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "bias", "n_kv_head", "rope_theta")
-MODEL_FIELDS += ("logit_softcap",)
+MODEL_FIELDS += ("logit_softcap", "gelu")
 Arch = Literal["gpt2", "nanochat"]
 # The nanochat block's own settings where a config leaves them unset. Each was chosen by the sweep of
 # bench/char_recipe.py on nanoGPT's CPU recipe (bench/RESULTS.md, "The modern block").
@@ -254,6 +254,9 @@ class TrainConfig(Config):
     )
     bias: bool | None = option(
         None, "gpt2: Linear and LayerNorm biases (unset: true, GPT-2's; false as nanoGPT's CPU recipe); nanochat: none"
+    )
+    gelu: Literal["tanh", "exact"] | None = option(
+        None, "gpt2: the MLP's GELU, tanh (GPT-2's, unset) | exact (erf, as nanoGPT's model; cheaper on CPUs)"
     )
     n_kv_head: int | None = option(None, "nanochat: key/value heads, dividing n_head (grouped-query; unset: n_head)")
     rope_theta: float | None = option(None, "nanochat: the rotary base (unset: 10,000)")
@@ -400,12 +403,15 @@ class TrainConfig(Config):
                     f"{NANOCHAT_ONLY[given]}: drop --{given} or set --arch nanochat"
                 )
             self.bias = True if self.bias is None else self.bias
+            self.gelu = self.gelu or "tanh"
             self.muon_momentum_warmup = self.muon_momentum_warmup or 0
             self.muon_ns_steps = 5 if self.muon_ns_steps is None else self.muon_ns_steps
             return
         if self.bias:
             raise ConfigError("bias=true: nanochat's block has no biases; drop --bias or set --arch gpt2")
         self.bias = False
+        if self.gelu:
+            raise ConfigError(f"gelu={self.gelu}: nanochat's MLP is ReLU², not GELU; drop --gelu or set --arch gpt2")
         for name, default in NANOCHAT_DEFAULTS.items():
             if getattr(self, name) is None:
                 setattr(self, name, default)

@@ -8,12 +8,13 @@ and the rename made durable by an fsync of the folder. A reader sees the old fil
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,76 @@ def locked(folder: str | Path, what: str) -> Iterator[None]:
         yield
     finally:
         f.close()
+
+
+# ------------------------------------------------------------------------------------------ failed writes
+
+FULL_DISK_BYTES = 1 << 20  # less free space than this, after a failed write, means the disk is full
+# How a full disk reads where a library wraps ENOSPC (or EDQUOT, a quota) into an error of its own type: safetensors
+# quotes Rust's io::Error ("No space left on device (os error 28)"); torch's writer says only "file write failed" or
+# "basic_ios::clear: iostream error", which is why the size of the write is asked too.
+FULL_DISK_WORDS = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
+
+
+def write_failure(folder: Path, write: Callable[[], object], needed: int = 0) -> str | None:
+    """Run `write`, which writes about `needed` bytes into `folder`; None when it worked, else why not, in words.
+
+    A full disk is told by the error itself (ENOSPC anywhere in its chain, or its words in a library's own error
+    type) or by the write needing more than was free before it; never by the free space after it alone, since a
+    library may delete its partial file before it raises. Other failures that are not failed writes propagate."""
+    free = free_bytes(folder)
+    try:
+        write()
+    except Exception as e:
+        if (isinstance(e, OSError) and e.errno == errno.EROFS) or not os.access(folder, os.W_OK):
+            return f"{folder} has become read-only"
+        after = free_bytes(folder)
+        if says_disk_full(e) or (free is not None and needed > free) or (after is not None and after < FULL_DISK_BYTES):
+            return no_space(needed, free)
+        if isinstance(e, OSError):
+            return str(e)
+        raise
+    return None
+
+
+def says_disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from or during, reports a full disk or an exceeded quota."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(words in str(error).lower() for words in FULL_DISK_WORDS):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def no_space(needed: int, free: int | None) -> str:
+    """The reason a write failed on a full disk, with what it needed and what was free when both are known."""
+    if not needed or free is None:
+        return "no space left on the device"
+    return f"no space left on the device (the write needs about {megabytes(needed)}; {megabytes(free)} were free)"
+
+
+def free_bytes(folder: Path) -> int | None:
+    with contextlib.suppress(OSError):
+        return shutil.disk_usage(folder).free
+    return None
+
+
+def megabytes(size: int) -> str:
+    return f"{size / 1e6:,.1f} MB"
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of these tensors' data on this process (a sharded tensor's local part), each storage once: a tied head
+    is the embedding's matrix, not a second copy."""
+    storages, total = set(), 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if not hasattr(t, "untyped_storage") or t.untyped_storage().data_ptr() in storages:
+            continue
+        storages.add(t.untyped_storage().data_ptr())
+        total += t.untyped_storage().nbytes()
+    return total

@@ -39,8 +39,9 @@ _WTE = "transformer.wte.weight"
 _SAFETENSORS = "model.safetensors"
 _PICKLED = "pytorch_model.bin"
 _LM_HEAD = "lm_head.weight"  # tied to wte on both sides: copied once, through wte
-# GELU with the tanh approximation under its two transformers names; "gelu" (exact erf) would differ.
+# GELU with the tanh approximation under its two transformers names, and the exact (erf) one: `gelu` "exact".
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+_EXACT_GELU = "gelu"
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ def _fit_vocab(wte: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def gpt2_config(cfg: GPTConfig, vocab_size: int | None = None) -> GPT2Config:
-    """The transformers config of our architecture: GELU-tanh, tied head, the model's dropout in all three places
-    (ours drops out where GPT-2 does: embeddings, attention weights, residual branches)."""
+    """The transformers config of our architecture: its GELU (tanh or exact), tied head, the model's dropout in all
+    three places (ours drops out where GPT-2 does: embeddings, attention weights, residual branches)."""
     from transformers import GPT2Config
 
     vocab_size = vocab_size or cfg.vocab_size
@@ -86,7 +87,7 @@ def gpt2_config(cfg: GPTConfig, vocab_size: int | None = None) -> GPT2Config:
         n_layer=cfg.n_layer,
         n_head=cfg.n_head,
         n_inner=None,  # 4 * n_embd, as in ours
-        activation_function="gelu_new",
+        activation_function=_EXACT_GELU if cfg.gelu == "exact" else "gelu_new",
         resid_pdrop=cfg.dropout,
         embd_pdrop=cfg.dropout,
         attn_pdrop=cfg.dropout,
@@ -153,7 +154,7 @@ def _load_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 def _gpt2_gpt_config(hf_config: GPT2Config) -> GPTConfig:
     """Our config for a transformers GPT-2 config, refusing the variants our GPT cannot reproduce."""
     checks = {
-        "activation_function": (hf_config.activation_function, _TANH_GELUS),
+        "activation_function": (hf_config.activation_function, (*_TANH_GELUS, _EXACT_GELU)),
         "n_inner": (hf_config.n_inner, (None, 4 * hf_config.n_embd)),
         "scale_attn_weights": (hf_config.scale_attn_weights, True),
         "scale_attn_by_inverse_layer_idx": (hf_config.scale_attn_by_inverse_layer_idx, False),
@@ -168,6 +169,7 @@ def _gpt2_gpt_config(hf_config: GPT2Config) -> GPTConfig:
         seq_len=hf_config.n_positions,
         vocab_size=hf_config.vocab_size,
         layer_norm_eps=hf_config.layer_norm_epsilon,
+        gelu="exact" if hf_config.activation_function == _EXACT_GELU else "tanh",
     )
 
 

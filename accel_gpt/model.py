@@ -1,7 +1,7 @@
 """The GPT in plain PyTorch, with either of two block families, chosen once at construction (`arch`):
 
 - `gpt2`: GPT-2's block. Learned positions, pre-LayerNorm, causal attention, GELU-tanh MLP, a head tied to the
-  token embedding; optionally no biases and dropout where GPT-2 puts it (nanoGPT's options).
+  token embedding; optionally no biases, dropout where GPT-2 puts it, and the exact (erf) GELU (nanoGPT's options).
 - `nanochat`: the modern block that nanochat trains and transformers' `NanoChatForCausalLM` computes. A
   parameter-free RMSNorm after the embedding and before each branch; rotary positions, then RMSNorm of q and k per
   head; ReLU² MLP; no biases; output projections that start at zero; an untied head whose logits are soft-capped.
@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 Arch = str  # "gpt2" | "nanochat"
 ARCHS = ("gpt2", "nanochat")
+GELUS = ("tanh", "exact")  # GPT-2's MLP: torch's `approximate="tanh"` (transformers' gelu_new) | "none" (erf)
 
 
 @dataclass
@@ -42,13 +43,19 @@ class GPTConfig:
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None = n_head
     rope_theta: float | None = None  # the rotary base (nanochat: 10,000 when None)
     logit_softcap: float | None = None  # logits become c*tanh(logits/c); None or 0 = off
+    # gpt2's own: the MLP's GELU, "tanh" (GPT-2's gelu_new, the default) or "exact" (erf, nanoGPT's); nanochat: None
+    gelu: str | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"arch={self.arch!r} is not one of {', '.join(ARCHS)}")
-        if self.arch == "nanochat":  # no biases in this block; the rotary base its own default
-            self.bias = False
+        if self.arch == "nanochat":  # no biases in this block; the rotary base its own default; ReLU², no GELU
+            self.bias, self.gelu = False, None
             self.rope_theta = 10_000.0 if self.rope_theta is None else self.rope_theta
+        elif self.gelu is None:
+            self.gelu = "tanh"
+        elif self.gelu not in GELUS:
+            raise ValueError(f"gelu={self.gelu!r} is not one of {', '.join(GELUS)}")
 
     @property
     def head_dim(self) -> int:
@@ -124,9 +131,10 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_scale = True
         self.dropout = nn.Dropout(cfg.dropout)
+        self.approximate = "none" if cfg.gelu == "exact" else "tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
 def layer_norm(cfg: GPTConfig) -> nn.Module:

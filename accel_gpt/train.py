@@ -38,13 +38,13 @@ from accel_gpt.checkpoint import (
     complete_checkpoints,
     data_identity,
     tokenizer_mismatch,
-    write_failure,
 )
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.data import shards
 from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
 from accel_gpt.errors import ConfigError, DataError, UserError
 from accel_gpt.evaluate.evaluator import Evaluator
+from accel_gpt.files import tensor_bytes, write_failure
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
 from accel_gpt.rundir import RunDir, same_on_every_rank
@@ -73,8 +73,8 @@ def train(cfg: TrainConfig) -> None:
     check_shared_out_dir(cfg.out_dir, accelerator)  # every process must see the one folder that checkpoints go to
     run = build(cfg, accelerator)
     state = TrainState(config=cfg.to_dict(), data=run.data, spike=run.guard, num_processes=accelerator.num_processes)
-    checkpointer = Checkpointer(cfg, accelerator, run.card, state, run.model)
-    checkpointer.resume(cfg.resume, run.optimizer)
+    checkpointer = Checkpointer(cfg, accelerator, run.card, state, run.model, run.optimizer)
+    checkpointer.resume(cfg.resume)
     evaluator = Evaluator(cfg, accelerator, run.model, run.card, run.splits)
     with run_dir.start(accelerator), StopSignal(accelerator) as stop:  # the lock, held until the run ends
         checkpointer.retire_later_line()  # resumed by path: the old line's later checkpoints are moved aside
@@ -112,7 +112,7 @@ def train_step(run: Run, batches: Iterator, accelerator: Accelerator, cfg: Train
     loss = accumulate_gradients(run.model, batches, accelerator) / accelerator.gradient_accumulation_steps
     lr = run.scheduler.get_last_lr()[0]  # the rate this update uses
     # The norm of the mean gradient over the whole global batch: DDP has already averaged the ranks' gradients.
-    grad_norm = accelerator.clip_grad_norm_(run.model.parameters(), cfg.grad_clip or math.inf)
+    grad_norm = accelerator.clip_grad_norm_(run.params, cfg.grad_clip or math.inf)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2 returns the norm as a replicated DTensor: its plain value
         grad_norm = grad_norm.full_tensor()
     row = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
@@ -130,7 +130,8 @@ def accumulate_gradients(model: torch.nn.Module, batches: Iterator, accelerator:
 
     The summed (detached) micro-batch losses stay on the device: reading them here would stall the GPU.
     """
-    model.train()
+    if not model.training:  # evaluations put the mode back; model.train() itself walks every module (0.5 ms)
+        model.train()
     loss_sum = torch.zeros((), device=accelerator.device)
     for _ in range(accelerator.gradient_accumulation_steps):
         x, y = next(batches)
@@ -158,6 +159,11 @@ class Run:
     flops_per_token: int
     data: dict[str, Any]  # `checkpoint.data_identity`: what a resume must train on
     guard: SpikeGuard | None = None  # the loss-spike guard, when on
+
+    def __post_init__(self) -> None:
+        # The prepared model's parameters, listed once: walking the modules for them at every step's clip costs more
+        # than the clip's own norm on a small model.
+        self.params = list(self.model.parameters())
 
     def batches(self, position: int) -> Iterator:
         """The training stream from window `position` on (O(1): nothing before it is read)."""
@@ -317,7 +323,8 @@ def save_final(cfg: TrainConfig, accelerator: Accelerator, run: Run, state: Trai
         what = f"step {state.step}'s" + (", whose val_loss is the lowest" if best is not None else "")
     error = None
     if accelerator.is_main_process:
-        error = write_failure(Path(cfg.out_dir), partial(save_weights, state_dict, card, Path(cfg.out_dir)))
+        write = partial(save_weights, state_dict, card, Path(cfg.out_dir))
+        error = write_failure(Path(cfg.out_dir), write, tensor_bytes(state_dict.values()))
     error = same_on_every_rank(accelerator, error)
     if error is not None:
         raise UserError(f"cannot write the final weights {Path(cfg.out_dir) / WEIGHTS}: {error}; {final_hint(cfg)}")

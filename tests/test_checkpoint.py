@@ -858,12 +858,18 @@ def first_batch(data: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_a_checkpoint_from_before_arch_existed_is_gpt2s() -> None:
-    """Checkpoints saved before the nanochat block record no `arch`: they hold GPT-2's block."""
-    saved = {field: 64 for field in RESUME_FIELDS if field not in ("arch", "n_kv_head", "rope_theta", "logit_softcap")}
-    now = {**saved, "arch": "gpt2", "n_kv_head": None, "rope_theta": None, "logit_softcap": None}
+    """Checkpoints saved before the nanochat block record no `arch`: they hold GPT-2's block, with its tanh GELU.
+    Those saved before `gelu` existed hold that GELU under gpt2, and none under nanochat."""
+    newer = ("arch", "n_kv_head", "rope_theta", "logit_softcap", "gelu")
+    saved = {field: 64 for field in RESUME_FIELDS if field not in newer}
+    now = {**saved, "arch": "gpt2", "n_kv_head": None, "rope_theta": None, "logit_softcap": None, "gelu": "tanh"}
     check_resume_config(saved, now, Path("ck"))
     with pytest.raises(UserError, match="arch was gpt2 there but is nanochat now"):
-        check_resume_config(saved, {**now, "arch": "nanochat"}, Path("ck"))
+        check_resume_config(saved, {**now, "arch": "nanochat", "gelu": None}, Path("ck"))
+    with pytest.raises(UserError, match="gelu was tanh there but is exact now"):
+        check_resume_config(saved, {**now, "gelu": "exact"}, Path("ck"))
+    nanochat = {**now, "arch": "nanochat", "rope_theta": 1e4, "logit_softcap": 15.0, "gelu": None}
+    check_resume_config({k: v for k, v in nanochat.items() if k != "gelu"}, nanochat, Path("ck"))
 
 
 @pytest.mark.slow

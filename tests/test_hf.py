@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,23 @@ def test_to_transformers_matches_our_logits():
     torch.testing.assert_close(theirs(out, x), ours(model, x), atol=1e-4, rtol=0)
 
 
+def test_the_exact_gelu_leaves_and_comes_back_as_gpt2s_gelu():
+    """`gelu: exact` (nanoGPT's erf GELU) is GPT2LMHeadModel's activation_function "gelu", both ways."""
+    tanh = tiny_gpt()
+    exact = GPT(replace(tanh.config, gelu="exact")).eval()
+    exact.load_state_dict(tanh.state_dict())
+    out = hf.to_transformers(exact)
+    assert out.config.activation_function == "gelu"
+    x = ids(96)
+    torch.testing.assert_close(theirs(out, x), ours(exact, x), atol=1e-6, rtol=0)
+    assert (ours(tanh, x) - ours(exact, x)).abs().max() > 2e-5  # the setting reaches the MLP
+    back = hf.from_transformers(out)
+    assert back.config == exact.config
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), exact.state_dict().values(), strict=True))
+    src = tiny_hf(activation_function="gelu")
+    torch.testing.assert_close(ours(hf.from_transformers(src), x), theirs(src, x), atol=1e-6, rtol=0)
+
+
 def test_round_trip_is_bit_exact():
     model = tiny_gpt()
     back = hf.from_transformers(hf.to_transformers(model))
@@ -135,8 +153,8 @@ def test_import_pads_vocab_with_mean_rows_and_bounded_loss_change():
 def test_import_refuses_smaller_vocab_and_other_variants():
     with pytest.raises(UserError, match="vocab_size=64 is smaller"):
         hf.from_transformers(tiny_hf(vocab_size=96), vocab_size=64)
-    with pytest.raises(UserError, match="activation_function='gelu'"):
-        hf.from_transformers(tiny_hf(activation_function="gelu"))
+    with pytest.raises(UserError, match="activation_function='relu'"):
+        hf.from_transformers(tiny_hf(activation_function="relu"))
     with pytest.raises(UserError, match="scale_attn_by_inverse_layer_idx"):
         hf.from_transformers(tiny_hf(scale_attn_by_inverse_layer_idx=True))
 

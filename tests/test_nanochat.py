@@ -258,8 +258,9 @@ def nanochat_cfg(**overrides: object) -> TrainConfig:
 def test_unset_settings_take_the_blocks_defaults() -> None:
     cfg = nanochat_cfg()
     assert {name: getattr(cfg, name) for name in NANOCHAT_DEFAULTS} == NANOCHAT_DEFAULTS
-    assert cfg.bias is False and cfg.n_kv_head is None
+    assert cfg.bias is False and cfg.n_kv_head is None and cfg.gelu is None
     gpt2 = TrainConfig(data_dir="x")
+    assert gpt2.gelu == "tanh"  # GPT-2's, as before the setting existed
     assert (gpt2.bias, gpt2.rope_theta, gpt2.logit_softcap, gpt2.muon_momentum_warmup) == (True, None, None, 0)
     assert gpt2.muon_ns_steps == 5  # torch's, as before the setting existed
     with pytest.raises(ConfigError, match="muon_ns_steps=0 must be >= 1"):
@@ -267,6 +268,8 @@ def test_unset_settings_take_the_blocks_defaults() -> None:
     model = GPT(GPTConfig(**cfg.model_settings()))
     assert model.config.rope_theta == NANOCHAT_DEFAULTS["rope_theta"] and model.config.arch == "nanochat"
     assert GPT(GPTConfig(**gpt2.model_settings())).config == GPTConfig(n_layer=12)  # GPT-2's block, as ever
+    erf = TrainConfig(data_dir="x", gelu="exact", n_layer=1, n_head=2, n_embd=16, seq_len=8, vocab_size=32)
+    assert GPT(GPTConfig(**erf.model_settings())).transformer.h[0].mlp.approximate == "none"
 
 
 @pytest.mark.parametrize(
@@ -277,6 +280,7 @@ def test_unset_settings_take_the_blocks_defaults() -> None:
         ({"arch": "gpt2", "head_lr": 0.01}, "head_lr=0.01 is a setting of arch nanochat; GPT-2's block has a head "),
         ({"arch": "gpt2", "n_kv_head": 2}, "n_kv_head=2 is a setting of arch nanochat"),
         ({"bias": True}, "bias=true: nanochat's block has no biases; drop --bias or set --arch gpt2"),
+        ({"gelu": "exact"}, "gelu=exact: nanochat's MLP is ReLU², not GELU; drop --gelu or set --arch gpt2"),
         ({"n_kv_head": 3}, "n_kv_head=3 must divide n_head=4"),
         ({"n_kv_head": 0}, "n_kv_head=0 must divide n_head=4"),
         ({"n_head": 32, "n_kv_head": 1}, "n_embd/n_head=1: rotary positions turn pairs of dimensions"),

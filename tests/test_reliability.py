@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -377,11 +378,11 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     assert proc.returncode != 0 and f'File "{REPO / "accel_gpt"}' not in proc.stderr, proc.stderr[-3000:]
     assert processes == 2 or "Traceback" not in proc.stderr  # torchrun's own ChildFailedError page: see the README
     (line,) = errors(proc.stderr)
-    assert line == (
-        f"error: cannot save checkpoint {ckpt(out, 2)}: no space left on the device; the run stopped after step 2 "
-        f"and the previous checkpoint, {ckpt(out, 1)}, is intact: make room (or fix the folder), then continue with "
-        "--resume auto"
-    )
+    assert re.fullmatch(
+        rf"error: cannot save checkpoint {ckpt(out, 2)}: {NO_SPACE}; the run stopped after step 2 and the previous "
+        rf"checkpoint, {ckpt(out, 1)}, is intact: make room \(or fix the folder\), then continue with --resume auto",
+        line,
+    ), line
     assert checkpoints(out) == ["step_00000001"] and not (out / "model.safetensors").exists()
     subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
     resumed = train(data, out, *args, "--resume", "auto", processes=processes).stderr
@@ -401,16 +402,83 @@ def test_a_full_disk_for_the_weights_file_or_the_final_weights_is_one_line(data:
         return line
 
     out, final = small_disk / "run", small_disk / "final"
-    assert the_error(out, "1") == (
-        f"error: cannot save checkpoint {ckpt(out, 1)}: no space left on the device; the run stopped after step 1 "
-        "and no earlier checkpoint of this run exists: make room (or fix the folder), then continue with --resume auto"
+    assert re.fullmatch(
+        rf"error: cannot save checkpoint {ckpt(out, 1)}: {NO_SPACE}; the run stopped after step 1 and no earlier "
+        r"checkpoint of this run exists: make room \(or fix the folder\), then continue with --resume auto",
+        the_error(out, "1"),
     )
     assert checkpoints(out) == []
-    assert the_error(final, "0") == (
-        f"error: cannot write the final weights {final / 'model.safetensors'}: no space left on the device; no "
-        "checkpoint holds them (save_every 0), so they are lost: make room, then train again"
+    assert re.fullmatch(
+        rf"error: cannot write the final weights {final / 'model.safetensors'}: {NO_SPACE}; no checkpoint holds them "
+        r"\(save_every 0\), so they are lost: make room, then train again",
+        the_error(final, "0"),
     )
     assert sorted(p.name for p in final.iterdir()) == [".lock", "accelerate_env.txt", "config.yaml", "metrics.jsonl"]
+
+
+# What a save on a full disk says: what the write needed, and what was free before it.
+NO_SPACE = r"no space left on the device \(the write needs about ([\d.,]+) MB; ([\d.,]+) MB were free\)"
+TINY_CPU = ["--config", "tiny-cpu", "--eval_every", "0", "--sample_tokens", "0", "--log_with", "none"]
+
+
+@pytest.fixture(scope="module")
+def gpt2_data(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]) -> Path:
+    """GPT-2 token ids for the `tiny-cpu` preset, whose 50,304-row embedding makes checkpoints of about 40 MB."""
+    tokens = shakespeare_tokens[:60_000]
+    return write_token_shards(tmp_path_factory.mktemp("gpt2") / "data", tokens[:54_000], tokens[54_000:])
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize(
+    "disk, fails_in",
+    [("48m", "model.safetensors"), ("60m", "optimizer.bin")],
+    ids=["weights-first", "optimizer-state-first"],
+)
+def test_a_checkpoint_much_larger_than_the_space_left_is_one_line(
+    gpt2_data: Path, small_disk: Path, disk: str, fails_in: str
+) -> None:
+    """`tiny-cpu`'s 40 MB checkpoints: step 2's fits, step 4's finds about 10 MB free (its 13 MB weights file fails,
+    in safetensors' own error) or 23 MB (the weights fit, the 27 MB optimizer state fails, in torch's writer,
+    whose message names no cause). One line with what the save needed, exit 2, step 2 intact, no temporary left."""
+    subprocess.run(["mount", "-o", f"remount,size={disk}", str(small_disk)], check=True)
+    out = small_disk / "run"
+    cmd = python_cmd("train", *TINY_CPU, "--data_dir", str(gpt2_data), "--out_dir", str(out), "--max_steps", "6")
+    proc = run_cmd([*cmd, "--save_every", "2", "--keep_checkpoints", "1"], timeout=300, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = errors(proc.stderr)
+    match = re.fullmatch(
+        rf"error: cannot save checkpoint {ckpt(out, 4)}: {NO_SPACE}; the run stopped after step 4 and the previous "
+        rf"checkpoint, {ckpt(out, 2)}, is intact: make room \(or fix the folder\), then continue with --resume auto",
+        line,
+    )
+    assert match, line
+    needed, free = (float(v.replace(",", "")) * 1e6 for v in match.groups())
+    saved = folder_bytes(ckpt(out, 2))
+    assert 0.95 * saved < needed < saved and free < needed  # what a save writes: weights and AdamW's moments
+    assert (ckpt(out, 2) / fails_in).stat().st_size > free  # the file that could not be written
+    assert checkpoints(out) == ["step_00000002"]
+    assert load_model(ckpt(out, 2))[0].config.n_embd == 64  # intact: it loads (its checksums are checked on resume)
+
+
+def test_final_weights_much_larger_than_the_space_left_are_one_line(gpt2_data: Path, small_disk: Path) -> None:
+    """`tiny-cpu`'s 13 MB final weights on a 3 MB disk, without checkpoints: one line, exit 2, no temporary left."""
+    subprocess.run(["mount", "-o", "remount,size=3m", str(small_disk)], check=True)
+    out = small_disk / "run"
+    cmd = python_cmd("train", *TINY_CPU, "--data_dir", str(gpt2_data), "--out_dir", str(out), "--max_steps", "2")
+    proc = run_cmd([*cmd, "--save_every", "0"], timeout=300, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = errors(proc.stderr)
+    match = re.fullmatch(
+        rf"error: cannot write the final weights {out / 'model.safetensors'}: {NO_SPACE}; no checkpoint holds them "
+        r"\(save_every 0\), so they are lost: make room, then train again",
+        line,
+    )
+    assert match, line
+    assert 13.0 < float(match.group(1)) < 13.6 and float(match.group(2)) < 3.2
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "accelerate_env.txt", "config.yaml", "metrics.jsonl"]
 
 
 def test_a_folder_turned_read_only_during_a_run_is_one_line(data: Path, small_disk: Path) -> None:

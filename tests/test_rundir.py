@@ -9,10 +9,12 @@ test_reliability.py.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from safetensors.torch import load_file
 from accel_gpt.cli import main
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError, UserError
-from accel_gpt.files import LOCK, locked
+from accel_gpt.files import LOCK, locked, write_failure
 from accel_gpt.rundir import RUN_FILES, probe_lock
 
 VOCAB = 256
@@ -172,3 +174,31 @@ def test_second_run_into_a_used_folder_is_refused_then_overwrite_replaces_it(dat
     assert not any(k.startswith("transformer.h.1.") for k in load_file(str(out / "model.safetensors")))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
     assert (out / "notes.txt").read_text() == "the user's own file"  # only the trainer's own files are replaced
+
+
+def test_a_full_disk_is_told_by_the_error_or_by_the_size_of_the_write(tmp_path: Path) -> None:
+    """Libraries wrap ENOSPC in errors of their own: the chain and the words are read, and where neither says why
+    (torch's writer), a write that needed more than was free is a full disk. Other failures are not called one."""
+
+    def failing(error: Exception) -> Callable[[], None]:
+        def write() -> None:
+            raise error
+
+        return write
+
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as cause:
+        chained = RuntimeError("serializing failed")
+        chained.__cause__ = cause
+    safetensors_like = Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+    torch_like = RuntimeError("PytorchStreamWriter failed writing file data/3: file write failed")
+    free = shutil.disk_usage(tmp_path).free
+    assert write_failure(tmp_path, failing(chained)) == "no space left on the device"
+    assert write_failure(tmp_path, failing(safetensors_like)) == "no space left on the device"
+    said = write_failure(tmp_path, failing(torch_like), needed=free + 10**9)
+    assert said is not None and said.startswith("no space left on the device (the write needs about ")
+    with pytest.raises(RuntimeError, match="PytorchStreamWriter"):  # room enough: not a full disk, not hidden
+        write_failure(tmp_path, failing(torch_like), needed=1000)
+    assert write_failure(tmp_path, failing(OSError(errno.EIO, "Input/output error"))) == "[Errno 5] Input/output error"
+    assert write_failure(tmp_path, lambda: None, needed=free * 2) is None
