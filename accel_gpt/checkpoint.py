@@ -132,6 +132,9 @@ class TrainState:
     data: dict[str, Any] = field(default_factory=dict)  # `data_identity` of the training data
     spike: SpikeGuard | None = None  # the spike guard's window, when the guard is on
     num_processes: int = 0  # the group that saved it (0: a checkpoint from before it was recorded)
+    # Each start of the run that led to these weights: {"from_step", "processes", "config"}, so that a model card
+    # tells every command that trained them ([] in checkpoints from before it was recorded).
+    segments: list[dict[str, Any]] = field(default_factory=list)
 
     def advance(self, cfg: TrainConfig) -> None:
         """One optimizer step done: the position in the window stream follows from the global batch."""
@@ -148,6 +151,7 @@ class TrainState:
             "config_json": json.dumps(self.config),
             "data_json": json.dumps(self.data),
             "num_processes": self.num_processes,
+            "segments_json": json.dumps(self.segments),
             **({"spike_json": json.dumps(self.spike.state_dict())} if self.spike is not None else {}),
         }
 
@@ -159,6 +163,7 @@ class TrainState:
         self.config = json.loads(sd["config_json"])
         self.data = json.loads(sd.get("data_json", "{}"))  # {} in checkpoints from before it was recorded
         self.num_processes = int(sd.get("num_processes", 0))
+        self.segments = json.loads(sd.get("segments_json", "[]"))
         if self.spike is not None and "spike_json" in sd:  # absent when saved with the guard off: it starts empty
             self.spike.load_state_dict(json.loads(sd["spike_json"]))
 
@@ -252,7 +257,7 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, final: Path, val_loss: float | None, weights: dict[str, Any] | None) -> None:
         """`weights`: under FSDP, the gathered state dict (see the module), written as model.safetensors."""
-        card = ModelCard(self.card.model, self.card.tokenizer, self.state.step)
+        card = ModelCard(self.card.model, self.card.tokenizer, self.state.step, self.state.segments)
         if weights is None:
             write_model_config(tmp, card)
         else:
@@ -315,6 +320,7 @@ class Checkpointer:
                 )
             if resume == "auto":
                 logger.info("resume: auto found no complete checkpoint; starting from step 0")
+            self._begin_segment()
             return
         check_pickles_are_safe(path)
         saved = saved_state(path)
@@ -340,7 +346,15 @@ class Checkpointer:
             logger.info(f"resume: {name} {saved.config[name]} -> {config[name]}")
         if resume != "auto":
             self.rollback_from = self.state.step
+        self._begin_segment()
         logger.info(f"resumed from {path} at step {self.state.step}")
+
+    def _begin_segment(self) -> None:
+        """This start of the run, in the history its saves carry (one that trained no step before it is replaced)."""
+        state = self.state
+        if state.segments and state.segments[-1]["from_step"] == state.step:
+            state.segments.pop()
+        state.segments.append({"from_step": state.step, "processes": state.num_processes, "config": state.config})
 
     def retire_later_line(self) -> None:
         """After a resume by path from step k: move the checkpoints after k aside (main process; see the module)."""

@@ -214,6 +214,14 @@ NANOCHAT_DEFAULTS: dict[str, Any] = {
     "muon_momentum_warmup": 300,
     "muon_ns_steps": 4,
 }
+GPT2_DEFAULTS: dict[str, Any] = {"bias": True, "gelu": "tanh", "muon_momentum_warmup": 0, "muon_ns_steps": 5}
+
+
+def block_defaults(arch: str) -> dict[str, Any]:
+    """What the settings a config leaves unset (None) become under the block `arch`."""
+    return {"bias": False, **NANOCHAT_DEFAULTS} if arch == "nanochat" else GPT2_DEFAULTS
+
+
 # What GPT-2's block has instead of each nanochat-only setting: said when one is given with arch gpt2.
 NANOCHAT_ONLY = {
     "n_kv_head": "one key/value head per query head",
@@ -222,6 +230,8 @@ NANOCHAT_ONLY = {
     "head_lr": "a head tied to the token embedding",
     "embedding_lr": "one AdamW rate for the embedding (learning_rate)",
 }
+MUON_FIELDS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr_fn", "muon_momentum_warmup")
+MUON_FIELDS += ("muon_momentum_start", "muon_ns_steps")
 # torch.compile's modes; the CUDA-graph ones replay whole steps, which pays off where launches bound a step.
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 LRSchedule = Literal["cosine", "wsd", "linear", "constant"]
@@ -309,7 +319,7 @@ class TrainConfig(Config):
     sample_tokens: int = option(32, "tokens sampled at each evaluation (0 = no samples)")
     sample_prompt: str = option("\n", "the prompt of those samples")
     # checkpoints
-    save_every: int = option(1000, "steps between checkpoints (0 = none); also at the end and on SIGTERM/SIGINT")
+    save_every: int = option(1000, "steps between checkpoints (0 = none); also at the end and on SIGTERM/SIGINT/SIGHUP")
     keep_checkpoints: int = option(2, "keep the newest N checkpoints (0 = all)")
     keep_best: bool = option(False, "also keep the checkpoint with the lowest validation loss (needs eval_every)")
     final_weights: Literal["last", "best"] = option(
@@ -331,6 +341,9 @@ class TrainConfig(Config):
     compile_mode: CompileMode = option("default", "torch.compile mode")
     activation_checkpointing: bool = option(False, "recompute each block in backward: less memory, ~30% more compute")
     loss_chunk: int = option(0, "rows of LM-head logits per chunk of the training loss (0 = all at once): less memory")
+    check_memory: bool = option(
+        True, "refuse a run whose estimated memory per process is over what the device has free (false: try anyway)"
+    )
     attention_backend: AttentionBackend = option("auto", "CUDA attention kernel to force (auto: PyTorch picks)")
     num_workers: int = option(0, "DataLoader worker processes per process")
     log_every: int = option(1, "steps between host syncs for logging; every step still gets a metrics row")
@@ -402,10 +415,9 @@ class TrainConfig(Config):
                     f"{given}={getattr(self, given)} is a setting of arch nanochat; GPT-2's block has "
                     f"{NANOCHAT_ONLY[given]}: drop --{given} or set --arch nanochat"
                 )
-            self.bias = True if self.bias is None else self.bias
-            self.gelu = self.gelu or "tanh"
-            self.muon_momentum_warmup = self.muon_momentum_warmup or 0
-            self.muon_ns_steps = 5 if self.muon_ns_steps is None else self.muon_ns_steps
+            for name, default in GPT2_DEFAULTS.items():
+                if getattr(self, name) is None:
+                    setattr(self, name, default)
             return
         if self.bias:
             raise ConfigError("bias=true: nanochat's block has no biases; drop --bias or set --arch gpt2")
@@ -427,6 +439,27 @@ class TrainConfig(Config):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
         at_least(self, 0, "logit_softcap")
+
+    def notes(self) -> list[str]:
+        """Settings that are valid but do less than a reader of the config may think: said once at start-up."""
+        notes = []
+        if self.optimizer == "adamw":
+            given = [name for name in MUON_FIELDS if getattr(self, name) != self._muon_default(name)]
+            if given:
+                notes.append(f"{', '.join(given)}: Muon's setting(s), unused with --optimizer adamw")
+        if (self.keep_best or self.final_weights == "best") and self.eval_every and self.save_every % self.eval_every:
+            what = "keep_best" if self.keep_best else "final_weights best"
+            every = math.lcm(self.save_every, self.eval_every)
+            notes.append(
+                f"{what} ranks only checkpoints saved at evaluated steps: with save_every {self.save_every} and "
+                f"eval_every {self.eval_every}, those of steps {every}, {2 * every}, ... and the last step's"
+            )
+        return notes
+
+    def _muon_default(self, name: str) -> Any:
+        """What a Muon field is when the config leaves it unset, under this config's block."""
+        per_block = block_defaults(self.arch)
+        return per_block[name] if name in per_block else TrainConfig.__dataclass_fields__[name].default
 
     @property
     def data_dirs(self) -> list[str]:

@@ -308,6 +308,10 @@ class GPT(nn.Module):
         self.family = family = FAMILIES[cfg.arch]
         self.activation_checkpointing = False
         self.loss_chunk = 0  # > 0: training loss through chunked_lm_loss, this many rows of logits at a time
+        # The tokenizer's ids: the rows of the head past them (vocab_size pads GPT-2's 50,257 to 50,304 for fast
+        # matmuls) are left out of the logits, so that no loss, probability or sample counts ids no text has, and
+        # a run scores as its export (which drops those rows) does. Who knows the tokenizer sets it.
+        self.vocab_in_use = cfg.vocab_size
         layers = {"wte": nn.Embedding(cfg.vocab_size, cfg.n_embd)}
         if family.learned_positions:
             layers["wpe"] = nn.Embedding(cfg.seq_len, cfg.n_embd)
@@ -362,7 +366,7 @@ class GPT(nn.Module):
         return_logits: bool = True,
         cache: KVCache | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """idx (B, T) token ids -> logits (B, T, vocab_size), and the mean cross-entropy if targets given.
+        """idx (B, T) token ids -> logits (B, T, vocab_in_use), and the mean cross-entropy if targets given.
 
         Training passes `return_logits=False`: under bf16, Accelerate casts every returned tensor to fp32, which
         for (B, T, 50,304) logits is a large copy kept alive through backward. Generation passes a `cache`:
@@ -381,12 +385,10 @@ class GPT(nn.Module):
         if cache is not None:
             cache.length += T
         h = self.transformer.ln_f(x)
-        cap = self.config.logit_softcap
+        cap, head = self.config.logit_softcap, self.lm_head.weight[: self.vocab_in_use]  # a view: no copy
         if targets is not None and not return_logits and self.loss_chunk:
-            return None, chunked_lm_loss(
-                h.view(B * T, -1), self.lm_head.weight, targets.reshape(-1), self.loss_chunk, cap or 0.0
-            )
-        logits = self.lm_head(h)  # (B, T, vocab_size)
+            return None, chunked_lm_loss(h.view(B * T, -1), head, targets.reshape(-1), self.loss_chunk, cap or 0.0)
+        logits = F.linear(h, head)  # (B, T, vocab_in_use)
         if cap:  # in fp32: tanh's slope near +-cap needs more than bf16's 8 bits
             logits = cap * torch.tanh(logits.float() / cap)
         loss = None

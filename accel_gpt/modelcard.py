@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from accel_gpt.checkpoint import complete_checkpoints, data_identity, saved_state
-from accel_gpt.config import TrainConfig, preset_values
+from accel_gpt.config import TrainConfig, block_defaults, preset_values
 from accel_gpt.data.shards import read_manifest
 from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.metrics import METRICS, read_metrics
@@ -226,6 +226,8 @@ def _training_section(t: Training, card: ModelCard) -> list[str]:
     if step is not None:
         of = f" of {c['max_steps']:,}" if _int(c.get("max_steps")) else ""
         rows.append(("optimizer steps", f"{step:,}{of}"))
+        if card.picked:
+            rows.append(("weights", _picked_text(card)))
         if _int(c.get("total_batch_size")):
             batch = c["total_batch_size"]
             rows.append(("tokens seen", f"{step * batch:,} ({step:,} steps of {batch:,} tokens)"))
@@ -252,7 +254,30 @@ def _training_section(t: Training, card: ModelCard) -> list[str]:
     parts = ["## Training", "\n".join(table), "### Data", _data_text(t)]
     if str(c.get("init_from", "none")) != "none":
         parts.append(f"Training started from the weights of `{_source_name(str(c['init_from']))}`.")
-    parts += ["### Command", "```bash\n" + training_command(c, t.processes) + "\n```"]
+    parts += _commands_section(card) if card.history else []
+    if not card.history:
+        parts += ["### Command", "```bash\n" + training_command(c, t.processes) + "\n```"]
+    return parts
+
+
+def _picked_text(card: ModelCard) -> str:
+    picked = card.picked or {}
+    text = f"picked among the run's evaluated checkpoints for the lowest validation loss ({picked['val_loss']:.4f})"
+    last = picked.get("last_step")
+    return text + (f"; the run went on to step {last:,}" if last and last != card.step else "")
+
+
+def _commands_section(card: ModelCard) -> list[str]:
+    """Each command that trained these weights, with the steps it trained: a resumed run's segments in order, up to
+    the weights' step (a later segment, or a line abandoned by a resume from an earlier step, did not train them)."""
+    segments = [s for s in card.history or [] if card.step is None or s["from_step"] < card.step]
+    title = "### Command" if len(segments) == 1 else "### Commands"
+    parts = [title]
+    for i, segment in enumerate(segments):
+        end = segments[i + 1]["from_step"] if i + 1 < len(segments) else card.step
+        if len(segments) > 1:
+            parts.append(f"Steps {segment['from_step'] + 1:,} to {end:,}:")
+        parts.append("```bash\n" + training_command(segment["config"], segment.get("processes")) + "\n```")
     return parts
 
 
@@ -301,6 +326,8 @@ def training_command(config: dict[str, Any], processes: int | None) -> str:
             flags = ["--config", preset]
         except ConfigError:
             pass  # the preset or file is gone: every setting that differs from the defaults is listed instead
+    unset = block_defaults(str(config.get("arch", "gpt2")))  # what the block makes of settings left unset
+    base |= {name: unset[name] for name in unset if base.get(name) is None}
     for name, value in config.items():
         if name in _NOT_TRAINING or name not in base or value == base[name]:
             continue

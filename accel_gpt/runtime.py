@@ -245,8 +245,21 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def stop_signals() -> list[signal.Signals]:
+    """The signals that stop a run; SIGHUP only where it is not ignored, as `nohup` asks the run to outlive its
+    terminal."""
+    stops = [signal.SIGTERM, signal.SIGINT]
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        stops.append(signal.SIGHUP)
+    return stops
+
+
 class StopSignal:
-    """SIGTERM/SIGINT ask the run to finish its current step, save and exit 0; a second Ctrl-C aborts at once.
+    """SIGTERM, SIGHUP and SIGINT ask the run to finish its current step, save and exit 0; a second Ctrl-C aborts.
+
+    SIGHUP (a closed terminal or ssh session) is taken as SIGTERM, so losing the terminal costs no steps; a run
+    started with SIGHUP ignored (`nohup`) keeps it ignored, and a hangup never aborts a save a Ctrl-C began.
+    torchrun forwards the SIGHUP it gets to the workers, as it does SIGTERM.
 
     A signal may reach the ranks at different steps (or only some of them), so `requested()` makes every
     rank agree after each step: a one-number all-reduce over a CPU (gloo) group, which adds no device sync.
@@ -268,7 +281,7 @@ class StopSignal:
         if self.world > 1:
             self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in stop_signals()}
 
     def __enter__(self) -> StopSignal:
         return self
@@ -277,14 +290,14 @@ class StopSignal:
         self.restore()
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.flag and (signum == signal.SIGINT or self.first == signal.SIGINT):
+        if self.flag and signum != signal.SIGHUP and signal.SIGINT in (signum, self.first):
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)  # the second Ctrl-C: stop now, no save
             return
         if self.flag:
             return
         self.flag, self.first = True, signum
-        again = " (Ctrl-C again: abort)" if signum == signal.SIGINT else ""  # a repeated SIGTERM is taken as one
+        again = " (Ctrl-C again: abort)" if signum == signal.SIGINT else ""  # a repeated SIGTERM/SIGHUP is one
         self._say(f"{signal.Signals(signum).name}: finishing the current step, then saving and exiting{again}")
 
     def _say(self, message: str) -> None:

@@ -100,7 +100,10 @@ def show_logs_above_progress_bar() -> None:
 
 class _TqdmHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
-        tqdm.write(self.format(record), file=sys.stderr)
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except OSError:  # the terminal is gone (a closed ssh session): the run goes on and saves, unseen
+            pass
 
 
 class MetricsLogger:
@@ -109,6 +112,7 @@ class MetricsLogger:
     def __init__(self, cfg: TrainConfig, accelerator: Accelerator, flops_per_token: int, step: int) -> None:
         self.accelerator = accelerator
         self.tokens_per_step = cfg.total_batch_size
+        self.optimizer = cfg.optimizer  # the rates a divergence message names
         self.log_every = cfg.log_every
         self.flops_per_token = flops_per_token
         self.peak = device_peak_flops(accelerator.device)
@@ -187,10 +191,14 @@ class MetricsLogger:
         self.file.write(rows[: rows.index(bad) + 1])
         self.progress.close()
         done = complete_checkpoints(self.out_dir)
-        kept = f"the newest checkpoint, {done[-1].name}, is from before it" if done else "no checkpoint was written"
+        lower = "a lower --muon_lr or --learning_rate" if self.optimizer == "muon" else "a lower --learning_rate"
+        if done:
+            then = f"the newest checkpoint, {done[-1]}, is from before it: resume from it by path with {lower}"
+        else:
+            then = f"no checkpoint was saved before it: train again with {lower}"
         raise UserError(
             f"training diverged at step {bad['step']} (loss {bad['loss']}, grad_norm {bad['grad_norm']}): stopped "
-            f"without saving its weights; {kept} (resume from it by path with a lower --learning_rate or a --grad_clip)"
+            f"without saving its weights; {then}"
         )
 
     def _stop_if_stuck(self, rows: list[dict[str, Any]]) -> None:
@@ -249,8 +257,9 @@ class MetricsLogger:
                 losses += f", val_bpb {self.last_val['val_bpb']:.4f}"
         if self.skipped:
             losses += f"; {self.skipped} step(s) skipped by the spike guard"
+        took = f"in {minutes:.1f} min" + (f" (this attempt, from step {self.start_step})" if self.start_step else "")
         return (
-            f"finished at step {state.step}/{cfg.max_steps} in {minutes:.1f} min, {state.tokens_seen:,} tokens seen; "
+            f"finished at step {state.step}/{cfg.max_steps} {took}, {state.tokens_seen:,} tokens seen; "
             f"{losses}; run dir {cfg.out_dir} (metrics.jsonl, config.yaml, checkpoints/"
             + (f"; {weights})" if weights else "; no final weights yet)")
         )

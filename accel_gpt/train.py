@@ -3,7 +3,7 @@
 `train()` only calls parts that own their cadence and state: the `RunDir` (the folder's checks before anything
 is built, then its lock for the whole run), the `MetricsLogger` (the one host sync per `log_every` window, where a
 non-finite loss stops the run), the `Evaluator` (validation loss, HellaSwag, samples), the `Checkpointer`
-(saving, pruning, resuming) and the `StopSignal` (SIGTERM/SIGINT, or the launcher's death, finish the current
+(saving, pruning, resuming) and the `StopSignal` (SIGTERM/SIGINT/SIGHUP, or the launcher's death, finish the current
 step and save). Devices, DDP wrapping, mixed precision and gradient sync belong to Accelerate; this module never
 names a rank.
 """
@@ -45,6 +45,7 @@ from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
 from accel_gpt.errors import ConfigError, DataError, UserError
 from accel_gpt.evaluate.evaluator import Evaluator
 from accel_gpt.files import tensor_bytes, write_failure
+from accel_gpt.memory import MemoryBudget, PeakMemory, available, budget, local_processes
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
 from accel_gpt.rundir import RunDir, same_on_every_rank
@@ -98,7 +99,7 @@ def train(cfg: TrainConfig) -> None:
                 logger.info(f"stop requested: stopped after step {state.step}; {stop_hint(cfg)}")
                 break
         weights = save_final(cfg, accelerator, run, state) if state.step == cfg.max_steps else None
-        logger.info(log.summary(state, cfg, weights))
+        logger.info(f"{log.summary(state, cfg, weights)}; {run.memory.measured()}")
         accelerator.end_training()
 
 
@@ -158,6 +159,7 @@ class Run:
     splits: list[str]
     flops_per_token: int
     data: dict[str, Any]  # `checkpoint.data_identity`: what a resume must train on
+    memory: MemoryBudget  # the estimate said at start-up, and the measured peak said at the end
     guard: SpikeGuard | None = None  # the loss-spike guard, when on
 
     def __post_init__(self) -> None:
@@ -213,6 +215,7 @@ def build_model(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
         model.load_state_dict(loaded.state_dict())
     model.activation_checkpointing = cfg.activation_checkpointing
     model.loss_chunk = cfg.loss_chunk
+    model.vocab_in_use = tokenizer.vocab_size  # at most vocab_size: `check_vocab` has seen to it
     return model
 
 
@@ -224,15 +227,20 @@ def load_init_from(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
     if not (source / MODEL_CONFIG).is_file() and not (source / CHECKPOINTS).is_dir():
         from accel_gpt.hf import load_transformers
 
+        logger.info(f"init_from: the transformers weights of {cfg.init_from}")
         return load_transformers(cfg.init_from, vocab_size=cfg.vocab_size)
     model, card = load_model(source)  # a run dir without final weights: its newest checkpoint
     if card.tokenizer != tokenizer:
         raise ConfigError(f"init_from {source}: {tokenizer_mismatch(card.tokenizer, tokenizer)} in {cfg.data_dir}")
+    logger.info(f"init_from: the weights of {source}, step {card.step}")
     return model
 
 
 def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
     """Data (checked against the model), model, optimizer and schedule, all through `accelerator.prepare`."""
+    peak, room = PeakMemory(accelerator.device), available(accelerator.device, local_processes(accelerator))
+    for note in cfg.notes():
+        logger.warning(note)
     set_seed(cfg.seed)  # the same initial weights on every rank and for any W
     # every rank checks the shards' sizes; one reader per node hashes those not verified as they are now
     checksums = accelerator.is_local_main_process
@@ -258,6 +266,7 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
     model = build_model(cfg, tokenizer)
     card = ModelCard(model.config, tokenizer)
     flops_per_token = model.flops_per_token()
+    memory = budget(cfg, model, accelerator, peak, room)  # refuses a run that cannot fit, before it allocates more
     if cfg.optimizer == "muon" and accelerator.distributed_type == DistributedType.FSDP:
         raise ConfigError(
             "optimizer=muon cannot train under FSDP: torch.optim.Muon would orthogonalize each process's shard of a "
@@ -275,12 +284,12 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
     if cfg.spike_loss_zscore or cfg.spike_grad_zscore:
         check_can_skip(optimizer, accelerator.scaler)
         guard = SpikeGuard(cfg, accelerator.device)
-    return Run(model, optimizer, scheduler, train_dl, sampler, card, splits, flops_per_token, data, guard=guard)
+    return Run(model, optimizer, scheduler, train_dl, sampler, card, splits, flops_per_token, data, memory, guard)
 
 
 def check_token_ids(data_dirs: list[str], manifests: list[dict[str, Any]], vocab_size: int) -> None:
-    """Every token id must index the embedding: shards that agree with their manifest can still hold a larger id
-    (a manifest's vocabulary smaller than its ids), which would crash an embedding lookup mid-run."""
+    """Every token id must index the embedding and be one of the tokenizer's (the logits stop there): shards that
+    agree with their manifest can still hold a larger id, which would crash an embedding lookup or the loss mid-run."""
     for data_dir, manifest in zip(data_dirs, manifests, strict=True):
         for split in manifest["splits"]:
             top = shards.max_token_id(data_dir, manifest, split)
@@ -288,6 +297,11 @@ def check_token_ids(data_dirs: list[str], manifests: list[dict[str, Any]], vocab
                 raise DataError(
                     f"the {split} shards in {data_dir} hold token id {top} but the model's vocab_size is "
                     f"{vocab_size}: ids must be below it; set vocab_size > {top} or prepare the data again"
+                )
+            if top >= manifest["vocab_size"]:
+                raise DataError(
+                    f"the {split} shards in {data_dir} hold token id {top}, which their tokenizer "
+                    f"({manifest['tokenizer']}, {manifest['vocab_size']} ids) does not have: prepare the data again"
                 )
 
 
@@ -301,7 +315,7 @@ def describe(cfg: TrainConfig, accelerator: Accelerator, run: Run) -> str:
         f"({accelerator.distributed_type}, mixed precision {accelerator.mixed_precision}) | "
         f"global batch {cfg.total_batch_size:,} tokens = {accelerator.num_processes} x "
         f"{accelerator.gradient_accumulation_steps} micro-steps x {cfg.micro_batch_size} x {cfg.seq_len} | "
-        f"{optimizer}"
+        f"{optimizer} | {run.memory.line()}"
     )
 
 
@@ -316,11 +330,14 @@ def save_final(cfg: TrainConfig, accelerator: Accelerator, run: Run, state: Trai
         if accelerator.is_main_process:
             model, card = load_weights(best[0])
             state_dict = model.state_dict()
-        what = f"step {best_step}'s, the lowest val_loss ({best[1]:.4f})"
     else:
         state_dict = accelerator.get_state_dict(run.model)
-        card = ModelCard(run.card.model, run.card.tokenizer, state.step)
-        what = f"step {state.step}'s" + (", whose val_loss is the lowest" if best is not None else "")
+        card = ModelCard(run.card.model, run.card.tokenizer, state.step, state.segments)
+    what = f"the weights of step {state.step if best is None else best_step}"
+    if best is not None:
+        what += f", whose val_loss ({best[1]:.4f}) is the lowest of the run's evaluated checkpoints"
+        if card is not None:
+            card = replace(card, picked={"val_loss": best[1], "last_step": state.step})
     error = None
     if accelerator.is_main_process:
         write = partial(save_weights, state_dict, card, Path(cfg.out_dir))
@@ -328,7 +345,7 @@ def save_final(cfg: TrainConfig, accelerator: Accelerator, run: Run, state: Trai
     error = same_on_every_rank(accelerator, error)
     if error is not None:
         raise UserError(f"cannot write the final weights {Path(cfg.out_dir) / WEIGHTS}: {error}; {final_hint(cfg)}")
-    return f"{WEIGHTS} holds {what} weights"
+    return f"{WEIGHTS} holds {what}"
 
 
 def final_hint(cfg: TrainConfig) -> str:

@@ -46,9 +46,14 @@ class ModelCard:
     model: GPTConfig
     tokenizer: Tokenizer
     step: int | None = None
+    # How the run got these weights: each start ({"from_step", "processes", "config"}), from the checkpoints' state.
+    history: list[dict[str, Any]] | None = None
+    # Weights picked among the run's checkpoints (`final_weights best`): {"val_loss", "last_step"} of the run.
+    picked: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model.to_dict(), "tokenizer": self.tokenizer.to_dict(), "step": self.step}
+        card = {"model": self.model.to_dict(), "tokenizer": self.tokenizer.to_dict(), "step": self.step}
+        return card | {k: v for k, v in (("history", self.history), ("picked", self.picked)) if v is not None}
 
 
 def write_model_config(folder: Path, card: ModelCard) -> None:
@@ -59,7 +64,8 @@ def read_model_config(folder: Path) -> ModelCard:
     path = Path(folder) / MODEL_CONFIG
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-        return ModelCard(GPTConfig(**meta["model"]), Tokenizer.from_dict(meta["tokenizer"]), meta.get("step"))
+        model, tokenizer = GPTConfig(**meta["model"]), Tokenizer.from_dict(meta["tokenizer"])
+        return ModelCard(model, tokenizer, meta.get("step"), meta.get("history"), meta.get("picked"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"{path} is not a readable accel_gpt model config ({type(e).__name__}: {e})") from None
 
@@ -120,6 +126,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GP
             f"'{path}' is not a run dir or checkpoint ({MODEL_CONFIG} + {WEIGHTS}) nor a transformers GPT-2 or "
             "NanoChat folder"
         )
+    model.vocab_in_use = min(card.tokenizer.vocab_size, model.config.vocab_size)  # scores as the run and export do
     return model.to(device).eval(), card
 
 

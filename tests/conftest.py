@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"  # a slice of tiny Shakespeare and 50 HellaSwag rows (see its README)
@@ -15,7 +16,7 @@ SHAKESPEARE = DATA / "tinyshakespeare.txt"
 HELLASWAG = DATA / "hellaswag_val.jsonl"
 
 # Only tiktoken's GPT-2 BPE files come from outside: TIKTOKEN_CACHE_DIR, as for any user offline. A relative one
-# (`../shared/tiktoken_cache`) names a folder from where pytest starts, and the quick start runs README commands in
+# (`../some/tiktoken_cache`) names a folder from where pytest starts, and the quick start runs README commands in
 # folders of their own: it is made absolute here, for them.
 if os.environ.get("TIKTOKEN_CACHE_DIR"):
     os.environ["TIKTOKEN_CACHE_DIR"] = os.path.abspath(os.environ["TIKTOKEN_CACHE_DIR"])
@@ -162,3 +163,16 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = run_cmd(python_cmd("train", *TINY_RUN_FLAGS, "--data_dir", str(data), "--out_dir", str(run)), timeout=600)
     (root / "train_output.txt").write_text(proc.stderr)
     return run
+
+
+def front_matter(card: str) -> tuple[dict, str]:
+    """The card's YAML metadata block and the Markdown after it."""
+    assert card.startswith("---\n"), card[:200]
+    meta, body = card[4:].split("\n---\n", 1)
+    return yaml.safe_load(meta), body
+
+
+def table(body: str) -> dict[str, str]:
+    """The training table's rows: name -> value."""
+    rows = [line.strip("|").split("|") for line in body.splitlines() if line.startswith("| ") and "---" not in line]
+    return {name.strip(): value.strip() for name, value in rows if name.strip()}

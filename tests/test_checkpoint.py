@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume after SIGKILL and SIGTERM (W=1 and W=2), a kill while saving, an elastic restart,
+"""Checkpoints: exact resume after SIGKILL and SIGTERM (W=1 and W=2), SIGHUP saving as SIGTERM does, a kill while
 resuming under another world size, a run crossing epochs of its data, refusals (shape change, corrupt files,
 unsafe pickles), and init_from.
 
@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -40,6 +41,7 @@ from accel_gpt.checkpoint import (
     saved_state,
 )
 from accel_gpt.errors import UserError
+from accel_gpt.runtime import StopSignal
 from accel_gpt.weights import load_model
 from accel_gpt.workarounds import check_pickles_are_safe
 
@@ -563,6 +565,40 @@ def test_sigterm_between_log_steps_stops_after_that_step(runs: dict, ref: dict[i
     assert f"resumed from {ckpt(chain['run'], 3)} at step 3" in final
     assert checkpoints(chain["run"]) == ["step_00000003", "step_00000005", "step_00000008"]
     assert_same_run(chain["run"], ref[processes])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sighup_saves_at_the_stop_step_like_sigterm(data: Path, tmp_path: Path, processes: int) -> None:
+    """A closed terminal or ssh session (SIGHUP to every process, during step 2) stops the run as SIGTERM does:
+    step 2 finished, saved and logged, the workers exit 0. torchrun itself exits 1 on the SIGHUP it forwards."""
+    out = tmp_path / "run"
+    rc, output = interrupted(processes, data, out, "--pause_at 2", signal.SIGHUP)
+    assert rc == (0 if processes == 1 else 1), output[-4000:]
+    assert_group(output, processes)
+    assert "SIGHUP: finishing the current step, then saving and exiting\n" in output
+    assert "stop requested: stopped after step 2" in output and "finished at step 2/8" in output, output[-4000:]
+    assert (checkpoints(out), [r["step"] for r in rows(out)]) == (["step_00000002"], [1, 2])
+
+
+def test_a_hangup_is_a_stop_that_never_aborts_and_nohup_is_kept() -> None:
+    """In-process: SIGHUP sets the stop flag; after a Ctrl-C (whose save is under way) a hangup does not abort as a
+    second Ctrl-C would; a process started with SIGHUP ignored (`nohup`) keeps ignoring it."""
+    one = SimpleNamespace(is_main_process=False, num_processes=1)
+    with StopSignal(one) as stop:
+        assert signal.getsignal(signal.SIGHUP) == stop._handle  # else the kill below would end pytest
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.requested() and stop.first == signal.SIGHUP
+    with StopSignal(one) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert stop.requested() and stop.first == signal.SIGINT
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with StopSignal(one):
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 # ------------------------------------------------------------------------------------------ epochs of the data

@@ -225,3 +225,19 @@ def test_every_field_has_a_one_line_help(name: str) -> None:
         text = f.metadata.get("help", "")
         assert text.strip() and "\n" not in text, f"{name}.{f.name} needs a one-line help"
         assert f.name in hints
+
+
+def test_settings_that_do_less_than_they_seem_are_noted() -> None:
+    """Muon's fields with AdamW (each block's own defaults are not "given"), and best-weights candidates that only
+    some checkpoints can be."""
+    assert TrainConfig(data_dir="x").notes() == [] and TrainConfig(data_dir="x", arch="nanochat").notes() == []
+    assert TrainConfig(data_dir="x", muon_lr=0.05, muon_ns_steps=3).notes() == [
+        "muon_lr, muon_ns_steps: Muon's setting(s), unused with --optimizer adamw"
+    ]
+    assert TrainConfig(data_dir="x", optimizer="muon", muon_lr=0.05).notes() == []
+    best = TrainConfig(data_dir="x", final_weights="best", save_every=4, eval_every=6)
+    assert best.notes() == [
+        "final_weights best ranks only checkpoints saved at evaluated steps: with save_every 4 and eval_every 6, "
+        "those of steps 12, 24, ... and the last step's"
+    ]
+    assert TrainConfig(data_dir="x", keep_best=True, save_every=4, eval_every=2).notes() == []

@@ -360,8 +360,24 @@ def test_eval_says_how_many_hellaswag_examples_and_about_how_long_before_scoring
                                                                    r"first one's pace", line)]  # fmt: skip
     assert first < pace
     assert len(out.splitlines()) == 1 and json.loads(out)["total"] == 7
-    main(["eval", "--checkpoint", str(tiny_checkpoint), "--hellaswag", str(seven_path), "--limit", "3"])
-    assert "HellaSwag: scoring the first 3 examples" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("limit", "line"),
+    [
+        ("3", "HellaSwag: scoring the first 3 examples (4 endings each)"),
+        ("50", "HellaSwag: scoring all 7 examples (4 endings each; fewer than --limit 50)"),
+    ],
+    ids=["limit-3", "limit-past-the-end"],
+)
+def test_a_given_limit_is_not_suggested_again(
+    tiny_checkpoint: Path, seven_path: Path, one_rank: None, capsys, limit: str, line: str
+) -> None:
+    """With `--limit N` on the command line, the count line says what N did instead of offering it."""
+    main(["eval", "--checkpoint", str(tiny_checkpoint), "--hellaswag", str(seven_path), "--limit", limit])
+    lines = capsys.readouterr().err.splitlines()
+    assert line in lines, lines
+    assert not any("--limit N" in text for text in lines)
 
 
 def test_evaluation_and_sampling_ignore_the_dropout_a_model_trained_with(
@@ -390,16 +406,17 @@ def test_evaluation_and_sampling_ignore_the_dropout_a_model_trained_with(
 def test_equal_logits_give_log2_vocab_bits_per_token(
     workdir: Path, val_data: Path, one_rank: None, capsys: pytest.CaptureFixture
 ) -> None:
-    """Every weight zero: every logit is 0, so each token costs ln V nats = log2 V bits, and bits per byte is
-    log2(V) * tokens / bytes of the val split."""
+    """Every weight zero: every logit is 0, so each token costs ln V nats = log2 V bits, V the tokenizer's 50,257
+    ids (the padded rows of the head are left out), and bits per byte is log2(V) * tokens / bytes of the val split."""
     model = GPT(TINY)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
     checkpoint = save(model, workdir / "uniform")
     result = eval_here(capsys, "--checkpoint", str(checkpoint), "--data_dir", str(val_data), "--eval_steps", "3")
-    assert result["val_loss"] == pytest.approx(math.log(TINY.vocab_size), rel=1e-6)
-    assert result["val_bpb"] == pytest.approx(math.log2(TINY.vocab_size) * val_tokens_per_byte(val_data), rel=1e-6)
+    assert TINY.vocab_size > 50_257
+    assert result["val_loss"] == pytest.approx(math.log(50_257), rel=1e-6)
+    assert result["val_bpb"] == pytest.approx(math.log2(50_257) * val_tokens_per_byte(val_data), rel=1e-6)
 
 
 def evaluator_rows(cfg_data: str, checkpoint: Path, weights: str = "", micro_batch_size: int = BATCH) -> list[dict]:

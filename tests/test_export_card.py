@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import python_cmd, run_cmd
+from conftest import front_matter, python_cmd, run_cmd, table
 from transformers import GPT2LMHeadModel, pipeline
 
 from accel_gpt.cli import main as cli_main
@@ -31,19 +31,6 @@ from accel_gpt.tokenizer import GPT2_EOT, Tokenizer
 from accel_gpt.weights import WEIGHTS, ModelCard, save_weights
 
 TINY = GPTConfig(n_layer=1, n_head=2, n_embd=32, seq_len=16, vocab_size=50_304)
-
-
-def front_matter(card: str) -> tuple[dict, str]:
-    """The card's YAML metadata block and the Markdown after it."""
-    assert card.startswith("---\n"), card[:200]
-    meta, body = card[4:].split("\n---\n", 1)
-    return yaml.safe_load(meta), body
-
-
-def table(body: str) -> dict[str, str]:
-    """The training table's rows: name -> value."""
-    rows = [line.strip("|").split("|") for line in body.splitlines() if line.startswith("| ") and "---" not in line]
-    return {name.strip(): value.strip() for name, value in rows if name.strip()}
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,23 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, accelerate_cmd, python_cmd, run_cmd, subprocess_env, write_token_shards
+from conftest import (
+    REPO,
+    accelerate_cmd,
+    front_matter,
+    python_cmd,
+    run_cmd,
+    subprocess_env,
+    table,
+    write_token_shards,
+)
 from safetensors.torch import load_file, save_file
 
 from accel_gpt.config import TrainConfig
 from accel_gpt.files import LOCK
+from accel_gpt.modelcard import model_card
 from accel_gpt.optim import lr_multiplier
-from accel_gpt.weights import load_model
+from accel_gpt.weights import load_model, read_model_config
 
 pytestmark = pytest.mark.slow
 
@@ -300,7 +310,10 @@ def test_init_from_a_run_or_checkpoint_continues_on_new_data(
     expected = {"run_dir": run_a, "checkpoint": ckpt(run_a, 10), "run_dir_without_final_weights": ckpt(run_a, 20)}
     out = tmp_path / "new"
     args = ("--init_from", str(paths[source]), "--max_steps", "1", "--save_every", "0", "--warmup_steps", "0")
-    train(other_data, out, *args, "--learning_rate", "1e-30", "--weight_decay", "0")
+    proc = train(other_data, out, *args, "--learning_rate", "1e-30", "--weight_decay", "0", "--muon_lr", "0.05")
+    step = 10 if source == "checkpoint" else 20
+    assert f"init_from: the weights of {paths[source]}, step {step}" in proc.stderr
+    assert "muon_lr: Muon's setting(s), unused with --optimizer adamw" in proc.stderr
     start, _ = load_model(expected[source])
     final = load_file(str(out / "model.safetensors"))
     assert_same_weights(final, {k: v for k, v in start.state_dict().items() if k in final})
@@ -344,7 +357,10 @@ def test_final_weights_best_are_the_checkpoint_with_the_lowest_logged_val_loss(d
     final = load_file(str(best / "model.safetensors"))
     assert_same_weights(final, load_file(str(ckpt(best, step) / "model.safetensors")))
     assert json.loads((best / "model_config.json").read_text())["step"] == step
-    assert f"model.safetensors holds step {step}'s, the lowest val_loss ({logged[step]:.4f}) weights" in proc.stderr
+    assert (
+        f"model.safetensors holds the weights of step {step}, whose val_loss ({logged[step]:.4f}) is the lowest of the "
+        "run's evaluated checkpoints"
+    ) in proc.stderr
     final = load_file(str(last / "model.safetensors"))
     assert_same_weights(final, load_file(str(ckpt(last, 12) / "model.safetensors")))
     assert json.loads((last / "model_config.json").read_text())["step"] == 12
@@ -387,6 +403,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
     resumed = train(data, out, *args, "--resume", "auto", processes=processes).stderr
     assert f"resumed from {ckpt(out, 1)} at step 1" in resumed and "finished at step 4/4" in resumed
+    assert re.search(r"finished at step 4/4 in [\d.]+ min \(this attempt, from step 1\), 256 tokens seen", resumed)
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
 
 
@@ -414,6 +431,36 @@ def test_a_full_disk_for_the_weights_file_or_the_final_weights_is_one_line(data:
         the_error(final, "0"),
     )
     assert sorted(p.name for p in final.iterdir()) == [".lock", "accelerate_env.txt", "config.yaml", "metrics.jsonl"]
+
+
+def test_the_card_of_best_weights_tells_how_they_were_picked_and_the_command_that_trained_them(
+    data: Path, tmp_path: Path
+) -> None:
+    """6 steps at a small rate, then resumed to 12 at a rate far too high (`--final_weights best`): the best weights
+    are step 6's, whose model card says they were picked and quotes the first command, not the resumed one that
+    did not train them; a checkpoint of the second segment quotes both, each with its steps."""
+    out = tmp_path / "run"
+    common = ("--eval_every", "2", "--eval_windows", "8", "--save_every", "2", "--keep_checkpoints", "0")
+    train(data, out, *common, "--max_steps", "6")
+    train(
+        data, out, *common, "--max_steps", "12", "--resume", "auto", "--learning_rate", "1", "--final_weights", "best"
+    )
+    card = read_model_config(out)
+    assert card.step == 6 and card.picked is not None and card.picked["last_step"] == 12
+    _, body = front_matter(model_card(out, card, 1, "mit", "t", "t"))
+    assert table(body)["weights"] == (
+        f"picked among the run's evaluated checkpoints for the lowest validation loss ({card.picked['val_loss']:.4f}); "
+        "the run went on to step 12"
+    )
+    commands = body.split("### Command\n\n", 1)[1].split("\n## ", 1)[0]
+    assert (
+        commands.count("```bash") == 1 and "--learning_rate 0.001" in commands and "--learning_rate 1.0" not in commands
+    )
+    later = read_model_config(ckpt(out, 10))
+    _, body = front_matter(model_card(ckpt(out, 10), later, 1, "mit", "t", "t"))
+    both = body.split("### Commands\n\n", 1)[1].split("\n## ", 1)[0]
+    assert "--gelu" not in both and "--bias" not in both  # settings left unset are not spelled out
+    assert "Steps 1 to 6:" in both and "Steps 7 to 10:" in both and "--learning_rate 1.0" in both.split("Steps 7")[1]
 
 
 # What a save on a full disk says: what the write needed, and what was free before it.
@@ -588,11 +635,26 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(
     proc = train(data, out, *diverge, "--save_every", "1", "--log_every", "3", processes=processes, check=False)
     assert proc.returncode != 0, proc.stderr[-3000:]
     (line,) = errors(proc.stderr)
-    assert "training diverged at step 2 (loss nan" in line and "the newest checkpoint, step_00000001" in line
+    assert line.startswith("error: training diverged at step 2 (loss nan"), line
+    assert line.endswith(
+        f"the newest checkpoint, {ckpt(out, 1)}, is from before it: resume from it by path with a lower --learning_rate"
+    )
     assert checkpoints(out) == ["step_00000001"]
     assert not (out / "model.safetensors").exists()
     assert all(torch.isfinite(t).all() for t in load_file(str(ckpt(out, 1) / "model.safetensors")).values())
     assert [r["step"] for r in rows(out)] == [1, 2]
+
+
+def test_a_diverged_muon_run_without_checkpoints_says_so_and_names_muons_rate(data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    diverge = ("--learning_rate", "1e30", "--muon_lr", "1e30", "--grad_clip", "0", "--warmup_steps", "0")
+    proc = train(data, out, *diverge, "--optimizer", "muon", "--max_steps", "6", "--save_every", "0", check=False)
+    (line,) = errors(proc.stderr)
+    assert line.startswith("error: training diverged at step "), proc.stderr[-3000:]
+    assert line.endswith(
+        "stopped without saving its weights; no checkpoint was saved before it: train again with a lower --muon_lr or "
+        "--learning_rate"
+    )
 
 
 # ------------------------------------------------------------------------------------------ 8. signals

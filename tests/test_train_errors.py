@@ -119,6 +119,10 @@ def test_token_id_beyond_the_model_vocabulary(capsys: pytest.CaptureFixture, tmp
     bad = small_vocab_shards(tmp_path / "bad", [*range(500), 700, *range(100)])
     err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(bad))
     assert "hold token id 700" in err and "vocab_size is 512" in err
+    manifest = json.loads((bad / "manifest.json").read_text())
+    write_manifest(bad, manifest | tokenizer_fields(Tokenizer("char", "".join(map(chr, range(600))))))
+    err = _fails(capsys, tmp_path / "o", *TINY, "--vocab_size", "1024", "--data_dir", str(bad))
+    assert "hold token id 700, which their tokenizer (char, 600 ids) does not have: prepare the data again" in err
 
 
 def test_a_run_that_stopped_before_its_first_step_does_not_block_its_own_command(

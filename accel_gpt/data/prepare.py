@@ -141,9 +141,11 @@ class Summary:
 
     def _documents(self, split: str) -> str:
         n = self.documents.get(split, 0)
-        if split in self.continued:
-            return f"{n + 1:,} documents (1 begun in the split before)"
-        return f"{n:,} documents"
+        if split not in self.continued:
+            return f"{n:,} documents"
+        # --val_tokens sends the stream's first tokens to val, so a split that starts inside a document is train,
+        # continuing val's last one
+        return f"{n + 1:,} documents (the first of them begun in the val split)"
 
     def line(self) -> str:
         """`documents` counts each document once, in the split it begins in (where its end-of-text token is); a

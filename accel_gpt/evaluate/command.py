@@ -60,8 +60,7 @@ def run_eval(cfg: EvalConfig) -> None:
         with accelerator.main_process_first():  # a hub download lands in the cache once
             examples = load_hellaswag(cfg.hellaswag, cfg.limit or None)
         if accelerator.is_main_process:
-            which = f"the first {len(examples):,}" if cfg.limit else f"all {len(examples):,}"
-            print(f"HellaSwag: scoring {which} examples (4 endings each; --limit N scores fewer)", file=sys.stderr)
+            print(scoring_line(len(examples), cfg.limit), file=sys.stderr)
     model, card = load_model(cfg.checkpoint, accelerator.device)
     if examples is not None:
         if card.tokenizer.name != "gpt2":
@@ -96,6 +95,15 @@ def run_eval(cfg: EvalConfig) -> None:
             write_predictions(Path(cfg.out), predictions)
         print(json.dumps(result))
     accelerator.end_training()
+
+
+def scoring_line(count: int, limit: int) -> str:
+    """What is about to be scored; the `--limit` hint only where it was not given, as it would repeat the command."""
+    if not limit:
+        return f"HellaSwag: scoring all {count:,} examples (4 endings each; --limit N scores fewer)"
+    if count < limit:  # the source ran out first
+        return f"HellaSwag: scoring all {count:,} examples (4 endings each; fewer than --limit {limit:,})"
+    return f"HellaSwag: scoring the first {count:,} examples (4 endings each)"
 
 
 def with_run_settings(cfg: EvalConfig) -> EvalConfig:

@@ -1,0 +1,199 @@
+"""What a training run needs in memory per process, estimated before it starts, against what the device has.
+
+A run that cannot fit fails late and badly: on a CPU the kernel's out-of-memory killer ends it without a word, on a
+GPU the first step fails after the whole start-up. So `build` estimates the need from the config before anything is
+allocated, says it in the start-up line, and refuses in one line a run that cannot fit, naming the settings that
+lower it. The summary line gives the measured peak beside the estimate.
+
+The need per process:
+- weights, gradients and optimizer state: 4 bytes per parameter each for fp32 weights and gradients (mixed
+  precision keeps fp32 masters), 8 for AdamW's two moments, 4 for Muon's momentum; under FSDP a 1/W share;
+  autocast's half-precision copy of the weights, 2 bytes per parameter;
+- activations of one micro-batch: what autograd keeps per token and layer (`SAVED_BYTES_PER_WIDTH`), or with
+  activation checkpointing the block inputs plus one block;
+- the LM head: logits, their fp32 copy, the log-softmax and its gradient, over micro_batch_size x seq_len tokens
+  (`loss_chunk` rows at a time when set), which for GPT-2's 50,304 ids is most of a small model's need.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from accel_gpt.config import TrainConfig
+from accel_gpt.errors import ConfigError
+
+# Bytes autograd keeps per token and layer, in widths of the residual stream (n_embd), by block and for fp32 or
+# half-precision autocast: measured with saved-tensor hooks (tests/test_memory.py measures them again). Under
+# autocast the norms' outputs and the residual stream stay fp32, so half precision saves less than half.
+SAVED_BYTES_PER_WIDTH = {("gpt2", False): 65, ("gpt2", True): 61, ("nanochat", False): 57, ("nanochat", True): 74}
+# A CPU process's resident peak over the tensors' need: glibc keeps freed buffers for reuse (`keep_freed_memory`),
+# and their sizes do not always fit the next request. Measured 1.3-1.9x on tiny-cpu at 8 sequences per micro-batch
+# (tests/test_memory.py); a GPU's caching allocator is counted by torch itself.
+CPU_RESIDENT_FACTOR = 1.5
+# fp32 tensors over the logits that the loss keeps alive at its peak (log-softmax, its gradient, the logits' fp32
+# copy), and one more where the soft-cap's tanh is kept.
+LOGIT_COPIES = 3
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes per process."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    def describe(self) -> str:
+        parts = ("weights", "gradients", "optimizer", "activations")
+        return f"about {gb(self.total)} per process ({', '.join(f'{p} {gb(getattr(self, p))}' for p in parts)})"
+
+
+def estimate(cfg: TrainConfig, params: int, muon_params: int, processes: int, fsdp: bool, half: bool) -> MemoryNeed:
+    """The need of `cfg` with `params` parameters (`muon_params` of them Muon's), on one of `processes` processes
+    (FSDP shards the states over them); `half`: bf16/fp16 autocast."""
+    share = processes if fsdp else 1
+    weights = 4 * params // share + (2 * params if half else 0)
+    optimizer = (4 * muon_params + 8 * (params - muon_params)) if cfg.optimizer == "muon" else 8 * params
+    return MemoryNeed(weights, 4 * params // share, optimizer // share, activation_bytes(cfg, half))
+
+
+def activation_bytes(cfg: TrainConfig, half: bool) -> int:
+    """One micro-batch's activations kept for backward, and the LM head's logits at the loss's peak."""
+    tokens, width = cfg.micro_batch_size * cfg.seq_len, cfg.n_embd
+    element = 2 if half else 4
+    per_layer = SAVED_BYTES_PER_WIDTH[cfg.arch, half] * width
+    if cfg.activation_checkpointing:  # each block's input (the fp32 residual stream), and one block recomputed
+        blocks = tokens * (cfg.n_layer * width * 4 + per_layer)
+    else:
+        blocks = tokens * cfg.n_layer * per_layer
+    rows = min(tokens, cfg.loss_chunk) if cfg.loss_chunk else tokens
+    copies = LOGIT_COPIES + (1 if cfg.arch == "nanochat" and cfg.logit_softcap else 0)
+    logits = rows * cfg.vocab_size * (element + 4 * copies)
+    return blocks + logits
+
+
+def available(device: torch.device, local_processes: int) -> int | None:
+    """Bytes this process may use: the GPU's free memory, or the machine's available memory (within a cgroup's
+    limit) shared by the processes on it. None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    sizes = [size for size in (_meminfo_available(), _cgroup_room()) if size is not None]
+    return min(sizes) // max(1, local_processes) if sizes else None
+
+
+def check_fits(need: MemoryNeed, room: int | None, cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse a run whose need is over what the device has, in one line naming what lowers it."""
+    factor = CPU_RESIDENT_FACTOR if device.type == "cpu" else 1.0
+    if room is None or need.total * factor <= room or not cfg.check_memory:
+        return
+    lower = [f"micro_batch_size (now {cfg.micro_batch_size}: activations scale with it)"]
+    if not cfg.activation_checkpointing:
+        lower.append("--activation_checkpointing true")
+    if not cfg.loss_chunk:
+        lower.append("--loss_chunk 4096 (the logits a chunk at a time)")
+    lower.append("the model's shape (n_layer, n_embd)")
+    resident = f", {factor}x that resident on a CPU" if factor != 1.0 else ""
+    raise ConfigError(
+        f"this run needs {need.describe()}{resident}, but the {device.type} has {gb(room)} free for each of its "
+        "processes: "
+        f"lower {', '.join(lower)}; or --check_memory false to try anyway"
+    )
+
+
+def gb(size: int) -> str:
+    return f"{size / 1e9:,.1f} GB" if size >= 1e9 else f"{size / 1e6:,.0f} MB"
+
+
+class PeakMemory:
+    """The peak memory of training, from the moment it is created: on a GPU torch's allocator peak, on a CPU the
+    growth of the process's peak resident memory over its size then (torch's own libraries are not the run's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self.start = _resident()
+
+    def bytes(self) -> int | None:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        if self.device.type != "cpu" or self.start is None:
+            return None
+        return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.start)
+
+
+def _resident() -> int | None:
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_room() -> int | None:
+    """cgroup v2's limit less its usage, where a limit is set (a container's memory, a SLURM job's)."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class MemoryBudget:
+    """A run's estimated need, the room it had, and its measured peak: what the start-up and summary lines say."""
+
+    need: MemoryNeed
+    room: int | None
+    peak: PeakMemory
+
+    def line(self) -> str:
+        return f"memory {self.need.describe()}" + (f" of {gb(self.room)} free" if self.room is not None else "")
+
+    def measured(self) -> str:
+        peak = self.peak.bytes()
+        said = f"peak memory {gb(peak)}" if peak is not None else "peak memory unknown"
+        return f"{said} (estimated {gb(self.need.total)})"
+
+
+def budget(cfg: TrainConfig, model: torch.nn.Module, accelerator, peak: PeakMemory, room: int | None) -> MemoryBudget:
+    """Estimate `model`'s need under `accelerator`'s launch and refuse it where it cannot fit (see `check_fits`)."""
+    from accelerate.utils import DistributedType
+
+    params = sum(p.numel() for p in model.parameters())
+    muon = sum(p.numel() for p in model.transformer.h.parameters() if p.dim() == 2) if cfg.optimizer == "muon" else 0
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    half = accelerator.mixed_precision in ("bf16", "fp16")
+    need = estimate(cfg, params, muon, accelerator.num_processes, fsdp, half)
+    check_fits(need, room, cfg, accelerator.device)
+    return MemoryBudget(need, room, peak)
+
+
+def local_processes(accelerator) -> int:
+    """The processes of this run on this machine, which share its memory (a GPU each has its own)."""
+    if accelerator.device.type == "cuda":
+        return 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))

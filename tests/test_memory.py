@@ -1,0 +1,100 @@
+"""The memory a run needs, estimated before its first step: the per-layer constants are what autograd keeps, a run
+that cannot fit is refused in one line before it allocates, and a real run's measured peak is near the estimate."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import python_cmd, run_cmd
+
+from accel_gpt.cli import main
+from accel_gpt.config import TrainConfig
+from accel_gpt.memory import CPU_RESIDENT_FACTOR, SAVED_BYTES_PER_WIDTH, MemoryNeed, activation_bytes, estimate, gb
+from accel_gpt.model import GPT, GPTConfig
+
+
+def saved_bytes(cfg: GPTConfig, half: bool) -> int:
+    """Bytes of the tensors autograd keeps through one training forward of 2 sequences, weights left out."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+            model(x, x, return_logits=False)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(size for ptr, size in storages.items() if ptr not in weights)
+
+
+@pytest.mark.parametrize("arch, half", sorted(SAVED_BYTES_PER_WIDTH))
+def test_the_bytes_kept_per_layer_are_what_autograd_keeps(arch: str, half: bool) -> None:
+    """One layer's saved tensors (3 layers less 1), per token and width of the residual stream."""
+    shape = dict(n_head=4, n_embd=64, seq_len=32, vocab_size=64, arch=arch)
+    one, three = (saved_bytes(GPTConfig(n_layer=n, **shape), half) for n in (1, 3))
+    per_width = (three - one) / 2 / (2 * 32) / 64
+    assert per_width == pytest.approx(SAVED_BYTES_PER_WIDTH[arch, half], rel=0.05)
+
+
+def test_the_estimate_adds_up_and_follows_the_settings() -> None:
+    """GPT-2 124M (124.4M parameters with the padded vocabulary), AdamW: 0.5 GB of weights, as much of gradients,
+    twice that of moments; FSDP shares them out; the activations shrink with checkpointing and a chunked loss."""
+    cfg = TrainConfig(data_dir="x", micro_batch_size=4)
+    params = GPT(GPTConfig(**cfg.model_settings())).num_params(non_embedding=False)
+    need = estimate(cfg, params, 0, processes=8, fsdp=False, half=False)
+    assert (need.weights, need.gradients, need.optimizer) == (4 * params, 4 * params, 8 * params)
+    sharded = estimate(cfg, params, 0, processes=8, fsdp=True, half=True)
+    assert sharded.optimizer == 8 * params // 8 and sharded.weights == 4 * params // 8 + 2 * params
+    logits = 4 * 1024 * 50_304 * 16  # fp32 logits and three fp32 copies of them
+    assert need.activations == 4 * 1024 * 12 * 65 * 768 + logits
+    smaller = TrainConfig(data_dir="x", micro_batch_size=4, activation_checkpointing=True, loss_chunk=1024)
+    assert activation_bytes(smaller, False) < need.activations / 4
+    assert MemoryNeed(10**9, 10**9, 2 * 10**9, 5 * 10**8).describe() == (
+        "about 4.5 GB per process (weights 1.0 GB, gradients 1.0 GB, optimizer 2.0 GB, activations 500 MB)"
+    )
+
+
+def test_a_run_that_cannot_fit_is_refused_before_it_allocates(
+    capsys: pytest.CaptureFixture, tmp_path: Path, shakespeare_shards: Path
+) -> None:
+    """GPT-2 124M (no shape given) at 512 sequences per micro-batch: about 740 GB, more than any machine here has.
+    One line naming what lowers it, exit 2, nothing written; `--check_memory false` would try."""
+    out = tmp_path / "run"
+    args = ["train", "--data_dir", str(shakespeare_shards), "--out_dir", str(out), "--micro_batch_size", "512"]
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--log_with", "none"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.fullmatch(
+        r"error: this run needs about [\d,.]+ GB per process \(weights 498 MB, gradients 498 MB, optimizer 996 MB, "
+        r"activations [\d,.]+ GB\), 1\.5x that resident on a CPU, but the cpu has [\d,.]+ [GM]B free for each "
+        r"of its processes: lower micro_batch_size \(now 512: activations scale with it\), --activation_checkpointing "
+        r"true, --loss_chunk 4096 \(the logits a chunk at a time\), the model's shape \(n_layer, n_embd\); or "
+        r"--check_memory false to try anyway",
+        err,
+    ), err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_runs_measured_peak_is_near_its_estimate(tmp_path: Path, shakespeare_shards: Path) -> None:
+    """`tiny-cpu` at 8 sequences per micro-batch: its logits (8 x 64 x 50,304) are most of its need. The start-up
+    line says the estimate and the room; the summary the peak the process reached over its size at start-up, which
+    on a CPU runs over the tensors' need by what glibc keeps (1.3-1.9x here over repeated runs)."""
+    flags = ["--config", "tiny-cpu", "--max_steps", "3", "--micro_batch_size", "8", "--eval_every", "0"]
+    flags += ["--save_every", "0", "--sample_tokens", "0", "--log_with", "none"]
+    proc = run_cmd(python_cmd("train", *flags, "--data_dir", str(shakespeare_shards), "--out_dir", str(tmp_path / "r")))
+    start = re.search(r"\| memory about ([\d.]+) MB per process \(.*\) of ([\d,.]+) GB free", proc.stderr)
+    assert start, proc.stderr[-3000:]
+    peak, estimated = re.search(r"peak memory ([\d.]+) MB \(estimated ([\d.]+) MB\)", proc.stderr).groups()
+    assert float(estimated) == float(start.group(1))
+    assert 1.0 < float(peak) / float(estimated) < CPU_RESIDENT_FACTOR * 1.4, (peak, estimated)
+    assert gb(int(float(estimated) * 1e6)) == f"{float(estimated):.0f} MB"
