@@ -91,14 +91,31 @@ def preset_values(cls: type[Config], name_or_path: str) -> dict[str, Any]:
         hint = f"; did you mean {', '.join(close)}?" if close else f"; presets: {', '.join(names) or 'none'}"
         raise ConfigError(f"config '{name_or_path}' is neither a YAML file nor a {cls.command} preset{hint}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid UTF-8 YAML: {str(e).splitlines()[0]}") from None
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path} sets {e} twice: keep one (YAML would silently take the last)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of {cls.command} settings, got {type(data).__name__}")
     data.pop("config", None)  # a saved config.yaml records where it came from; that is not a layer to follow
     check_keys(cls, data, str(path))
     return data
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (a merge or an edit's slip)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+        twice = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+        if twice is not None:
+            raise _DuplicateKey(twice)
+        return super().construct_mapping(node, deep=deep)
 
 
 def check_keys(cls: type[Config], keys: typing.Iterable[str], where: str) -> None:

@@ -187,12 +187,23 @@ def load_transformers(path_or_id: str, vocab_size: int | None = None) -> GPT:
         hf_config = AutoConfig.from_pretrained(path_or_id)
         _CONFIGS[_arch(hf_config)](hf_config)  # refuse other architectures and variants before reading weights
         check_pickled_weights(Path(path_or_id))
-        hf_model = AutoModelForCausalLM.from_pretrained(path_or_id, config=hf_config, dtype=torch.float32)
+        hf_model, info = AutoModelForCausalLM.from_pretrained(
+            path_or_id, config=hf_config, dtype=torch.float32, output_loading_info=True
+        )
     except UserError:
         raise
     except Exception as e:  # missing folder/id (OSError), corrupt safetensors, bad config.json (ValueError), ...
         raise UserError(_load_error(path_or_id, e)) from None
+    # transformers fills weights its files lack with random ones and only warns: the tied head is the one allowed
+    missing = [k for k in info.get("missing_keys", ()) if not (k == "lm_head.weight" and _ties_head(hf_config))]
+    if missing or info.get("mismatched_keys"):
+        what = f"lacks {', '.join(sorted(missing)[:3])}" if missing else "holds weights of other shapes"
+        raise UserError(f"'{path_or_id}': its weights do not fill the model its config.json describes ({what})")
     return from_transformers(hf_model, vocab_size)
+
+
+def _ties_head(hf_config: Any) -> bool:
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
 
 
 def to_transformers(model: GPT, vocab_size: int | None = None) -> GPT2LMHeadModel | NanoChatForCausalLM:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError
@@ -121,6 +123,8 @@ class PeakMemory:
     growth of the process's peak resident memory over its size then (torch's own libraries are not the run's)."""
 
     def __init__(self, device: torch.device) -> None:
+        import torch._dynamo  # noqa: F401  (the first optimizer imports it anyway: 75 MB of code, not the run's)
+
         self.device = device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -179,20 +183,34 @@ class MemoryBudget:
         return f"{said} (estimated {gb(self.need.total)})"
 
 
-def budget(cfg: TrainConfig, model: torch.nn.Module, accelerator, peak: PeakMemory, room: int | None) -> MemoryBudget:
-    """Estimate `model`'s need under `accelerator`'s launch and refuse it where it cannot fit (see `check_fits`)."""
-    from accelerate.utils import DistributedType
-
-    params = sum(p.numel() for p in model.parameters())
-    muon = sum(p.numel() for p in model.transformer.h.parameters() if p.dim() == 2) if cfg.optimizer == "muon" else 0
+def budget(cfg: TrainConfig, accelerator: Accelerator) -> MemoryBudget:
+    """Estimate the need of `cfg` under `accelerator`'s launch from the config alone, and refuse it where it cannot
+    fit (see `check_fits`): before the model exists, which for a shape far too large would itself take minutes."""
+    room = available(accelerator.device, local_processes(accelerator))
+    peak = PeakMemory(accelerator.device)
+    params, matrices = parameter_counts(cfg)
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     half = accelerator.mixed_precision in ("bf16", "fp16")
-    need = estimate(cfg, params, muon, accelerator.num_processes, fsdp, half)
+    need = estimate(cfg, params, matrices if cfg.optimizer == "muon" else 0, accelerator.num_processes, fsdp, half)
     check_fits(need, room, cfg, accelerator.device)
     return MemoryBudget(need, room, peak)
 
 
-def local_processes(accelerator) -> int:
+def parameter_counts(cfg: TrainConfig) -> tuple[int, int]:
+    """The model's parameters, and how many of them are the blocks' matrices (Muon's), from the config's shape:
+    what `GPT(cfg)` would hold (tests compare), without building it."""
+    C, V = cfg.n_embd, cfg.vocab_size
+    if cfg.arch == "nanochat":
+        kv = (cfg.n_kv_head or cfg.n_head) * (C // cfg.n_head) * C  # c_k and c_v each
+        matrices = cfg.n_layer * (2 * C * C + 2 * kv + 8 * C * C)
+        return 2 * V * C + matrices, matrices  # an untied head; the norms have no parameters
+    matrices = cfg.n_layer * 12 * C * C
+    norms = (2 * cfg.n_layer + 1) * C * (2 if cfg.bias else 1)
+    biases = cfg.n_layer * 9 * C if cfg.bias else 0
+    return V * C + cfg.seq_len * C + matrices + norms + biases, matrices
+
+
+def local_processes(accelerator: Accelerator) -> int:
     """The processes of this run on this machine, which share its memory (a GPU each has its own)."""
     if accelerator.device.type == "cuda":
         return 1

@@ -63,6 +63,7 @@ class RunDir:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg, self.path = cfg, Path(cfg.out_dir)
         check_out_dir(cfg.out_dir)
+        check_apart_from_data(self.path, cfg.data_dirs)
         check_restartable(cfg.resume)
         probe_lock(self.path)
         self._check_new_run()
@@ -122,6 +123,14 @@ def check_out_dir(out_dir: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "it is" if existing == path else f"{existing} is"
         raise UserError(f"out_dir {path} cannot be written: {where} read-only")
+
+
+def check_apart_from_data(out_dir: Path, data_dirs: list[str]) -> None:
+    """A data folder given as out_dir would get the run's files beside its shards (and a later `prepare` or
+    `--overwrite` there would take the other's files for its own): refuse it."""
+    for data in data_dirs:
+        if out_dir.resolve() == Path(data).resolve():
+            raise UserError(f"out_dir {out_dir} is the data folder {data}: give the run a folder of its own")
 
 
 def check_restartable(resume: str, env: Mapping[str, str] = os.environ) -> None:

@@ -45,7 +45,7 @@ from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
 from accel_gpt.errors import ConfigError, DataError, UserError
 from accel_gpt.evaluate.evaluator import Evaluator
 from accel_gpt.files import tensor_bytes, write_failure
-from accel_gpt.memory import MemoryBudget, PeakMemory, available, budget, local_processes
+from accel_gpt.memory import MemoryBudget, budget
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
 from accel_gpt.rundir import RunDir, same_on_every_rank
@@ -238,7 +238,7 @@ def load_init_from(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
 
 def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
     """Data (checked against the model), model, optimizer and schedule, all through `accelerator.prepare`."""
-    peak, room = PeakMemory(accelerator.device), available(accelerator.device, local_processes(accelerator))
+    memory = budget(cfg, accelerator)  # refuses a run that cannot fit, before anything large is allocated
     for note in cfg.notes():
         logger.warning(note)
     set_seed(cfg.seed)  # the same initial weights on every rank and for any W
@@ -266,7 +266,6 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
     model = build_model(cfg, tokenizer)
     card = ModelCard(model.config, tokenizer)
     flops_per_token = model.flops_per_token()
-    memory = budget(cfg, model, accelerator, peak, room)  # refuses a run that cannot fit, before it allocates more
     if cfg.optimizer == "muon" and accelerator.distributed_type == DistributedType.FSDP:
         raise ConfigError(
             "optimizer=muon cannot train under FSDP: torch.optim.Muon would orthogonalize each process's shard of a "

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from accel_gpt.data.shards import sha256_file
 from accel_gpt.errors import UserError, is_main_rank
 from accel_gpt.files import atomic_write_json, make_shareable, replacing
 from accel_gpt.model import FAMILIES, GPT, GPTConfig
@@ -93,15 +94,43 @@ def load_weights(folder: Path) -> tuple[GPT, ModelCard]:
     weights = folder / WEIGHTS
     if not weights.is_file():
         raise UserError(f"{folder} has {MODEL_CONFIG} but no {WEIGHTS}")
+    check_as_saved(folder)
     try:
         state = load_file(str(weights))
     except Exception as e:  # safetensors raises its own error types for corrupt headers or data
         raise UserError(f"{weights} is not a readable safetensors file: {e}") from None
     model = GPT(card.model)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    wrong = next((k for k, v in state.items() if k in shapes and tuple(v.shape) != shapes[k]), None)
+    if wrong is not None:
+        raise UserError(
+            f"{weights} does not match its {MODEL_CONFIG}: {wrong} is {tuple(state[wrong].shape)} there, but "
+            f"{shapes[wrong]} in the model it describes"
+        )
     missing, unexpected = model.load_state_dict(state, strict=False)
     if set(missing) - ({TIED_HEAD} if FAMILIES[card.model.arch].tied_head else set()) or unexpected:
         raise UserError(f"{weights} does not match its {MODEL_CONFIG}: missing {missing}, unexpected {unexpected}")
+    broken = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if broken is not None:
+        raise UserError(f"{weights} holds NaN or infinite values ({broken}): these weights cannot be used")
     return model.eval(), card
+
+
+def check_as_saved(folder: Path) -> None:
+    """A checkpoint's weights and shape must be the files its `COMPLETE` marker vouched for (sha256) when it was
+    saved: eval, sample and export read them as that step's. Folders without recorded checksums pass."""
+    marker = read_marker(folder)
+    if marker is None and folder.parent.name == CHECKPOINTS and folder.name.startswith("step_"):
+        raise UserError(f"checkpoint {folder} is incomplete (no readable {COMPLETE} marker: its save did not finish)")
+    recorded = (marker or {}).get("sha256")
+    if not isinstance(recorded, dict):
+        return
+    for name in (WEIGHTS, MODEL_CONFIG):
+        if name in recorded and sha256_file(folder / name) != recorded[name]:
+            raise UserError(
+                f"checkpoint {folder} is damaged: {name} differs from the file it held when it was saved (sha256); "
+                "use another checkpoint"
+            )
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, ModelCard]:

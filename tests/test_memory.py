@@ -12,7 +12,15 @@ from conftest import python_cmd, run_cmd
 
 from accel_gpt.cli import main
 from accel_gpt.config import TrainConfig
-from accel_gpt.memory import CPU_RESIDENT_FACTOR, SAVED_BYTES_PER_WIDTH, MemoryNeed, activation_bytes, estimate, gb
+from accel_gpt.memory import (
+    CPU_RESIDENT_FACTOR,
+    SAVED_BYTES_PER_WIDTH,
+    MemoryNeed,
+    activation_bytes,
+    estimate,
+    gb,
+    parameter_counts,
+)
 from accel_gpt.model import GPT, GPTConfig
 
 
@@ -98,3 +106,15 @@ def test_a_runs_measured_peak_is_near_its_estimate(tmp_path: Path, shakespeare_s
     assert float(estimated) == float(start.group(1))
     assert 1.0 < float(peak) / float(estimated) < CPU_RESIDENT_FACTOR * 1.4, (peak, estimated)
     assert gb(int(float(estimated) * 1e6)) == f"{float(estimated):.0f} MB"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"bias": False}, {"arch": "nanochat"}, {"arch": "nanochat", "n_kv_head": 2}, {"n_layer": 5, "seq_len": 40}],
+)
+def test_the_parameters_counted_from_the_config_are_the_models(settings: dict) -> None:
+    """The estimate counts parameters without building the model (a shape far too large would take minutes)."""
+    cfg = TrainConfig(**({"data_dir": "x", "n_layer": 3, "n_head": 4, "n_embd": 32, "seq_len": 16} | settings))
+    model = GPT(GPTConfig(**cfg.model_settings()))
+    matrices = sum(p.numel() for p in model.transformer.h.parameters() if p.dim() == 2)
+    assert parameter_counts(cfg) == (sum(p.numel() for p in model.parameters()), matrices)

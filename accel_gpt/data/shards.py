@@ -195,6 +195,17 @@ def _check_fields(manifest: dict[str, Any], path: Path) -> None:
     for split, entries in splits.items():
         if not isinstance(entries, list) or not all(_is_entry(e) for e in entries):
             raise bad(f"split '{split}' must be a list of {{file, tokens, sha256}} entries")
+        if not entries:
+            raise bad(f"split '{split}' lists no shards (a split without tokens is left out of 'splits')")
+        files = [e["file"] for e in entries]
+        twice = next((f for i, f in enumerate(files) if f in files[:i] or f in _other_files(splits, split)), None)
+        if twice is not None:
+            raise bad(f"shard {twice} is listed twice (it would be read twice as often as the others)")
+    totals = manifest.get("tokens", {})
+    for split, total in totals.items() if isinstance(totals, dict) else ():
+        listed = sum(e["tokens"] for e in splits.get(split, []))
+        if split in splits and total != listed:
+            raise bad(f"tokens.{split} says {total!r} but the {split} shards listed hold {listed}")
     counts = manifest.get("bytes", {})
     if not isinstance(counts, dict) or not all(_is_count(n) for n in counts.values()):
         raise bad(f"bytes must map split names to byte counts, got {counts!r}")
@@ -202,6 +213,10 @@ def _check_fields(manifest: dict[str, Any], path: Path) -> None:
         tokenizer(manifest)
     except (ValueError, TypeError) as e:
         raise bad(str(e)) from None
+
+
+def _other_files(splits: dict[str, list[dict[str, Any]]], split: str) -> set[str]:
+    return {e["file"] for other, entries in splits.items() if other < split for e in entries}
 
 
 def _is_entry(entry: Any) -> bool:

@@ -87,11 +87,15 @@ def load_hellaswag(source: str, limit: int | None = None) -> list[Example]:
         raise UserError(
             f"HellaSwag source '{source}' does not exist as a file, and is not an http(s) URL or a hub id like {HUB_ID}"
         )
-    examples = []
+    examples, seen = [], {}
     for position, (where, row) in enumerate(rows):
         if limit is not None and position >= limit:
             break
-        examples.append(parse_row(row, where, position))
+        example = parse_row(row, where, position)
+        if example.ind in seen:  # scored twice, it would count twice and shrink the standard error
+            raise UserError(f"{where}: example ind={example.ind} again (first at {seen[example.ind]}); keep one")
+        seen[example.ind] = where
+        examples.append(example)
     if not examples:
         raise UserError(f"HellaSwag source '{source}' holds no examples")
     return examples
@@ -157,6 +161,8 @@ def parse_row(row: Any, where: str, position: int) -> Example:
     if not isinstance(endings, list) or len(endings) != NUM_ENDINGS or not all(isinstance(e, str) for e in endings):
         got = f"{len(endings)} items" if isinstance(endings, list) else type(endings).__name__
         raise UserError(f"{where}: 'endings' must be a list of {NUM_ENDINGS} strings, got {got}")
+    if not all(e.strip() for e in endings):  # an empty ending has no tokens to score
+        raise UserError(f"{where}: ending {[bool(e.strip()) for e in endings].index(False)} is empty")
     if isinstance(label, str) and label.strip().isdigit():
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < NUM_ENDINGS:

@@ -1,0 +1,180 @@
+"""Files the product reads, made hostile: each damage found by an adversarial pass that once went through (a traceback
+or a silent wrong result) is now one `error:` line, exit 2, through the command line, and nothing is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import HELLASWAG, python_cmd, run_cmd, write_token_shards
+from safetensors.torch import load_file, save_file
+
+from accel_gpt.cli import main
+
+VOCAB = 64
+TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--vocab_size", str(VOCAB)]
+TINY += ["--micro_batch_size", "2", "--total_batch_size", "32", "--log_with", "none", "--sample_tokens", "0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]) -> Path:
+    tokens = [t % VOCAB for t in shakespeare_tokens[:6_000]]
+    return write_token_shards(tmp_path_factory.mktemp("hostile") / "data", tokens[:5_000], tokens[5_000:], 2_500, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def run(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 steps, checkpoints at 2 and 4, final weights. Tests copy it before damaging anything."""
+    out = tmp_path_factory.mktemp("run") / "run"
+    flags = ["--max_steps", "4", "--save_every", "2", "--eval_every", "2", "--eval_windows", "4"]
+    run_cmd(python_cmd("train", *TINY, *flags, "--data_dir", str(data), "--out_dir", str(out)))
+    return out
+
+
+def one_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    assert exc.value.code == 2
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def copy(folder: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(folder, tmp_path / folder.name))
+
+
+def edit_json(path: Path, change) -> None:
+    value = json.loads(path.read_text())
+    change(value)
+    path.write_text(json.dumps(value))
+
+
+# -------------------------------------------------------------------------------------------- configs and data
+
+
+def test_a_key_given_twice_in_a_config_file(capsys, tmp_path: Path, data: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("n_layer: 2\nn_head: 2\nn_layer: 3\n")
+    err = one_error(capsys, "train", "--config", str(config), "--data_dir", str(data), "--out_dir", str(tmp_path / "o"))
+    assert err == f"error: {config} sets n_layer twice: keep one (YAML would silently take the last)"
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda m: m["splits"]["train"].append(m["splits"]["train"][0]), "shard train_000000.bin is listed twice"),
+        (lambda m: m.setdefault("tokens", {}).update(train=1), "tokens.train says 1 but the train shards listed"),
+        (lambda m: m["splits"].update(val=[]), "split 'val' lists no shards"),
+    ],
+    ids=["shard-twice", "token-count", "empty-split"],
+)
+def test_a_manifest_that_contradicts_itself(capsys, tmp_path: Path, data: Path, damage, message: str) -> None:
+    bad = copy(data, tmp_path)
+    edit_json(bad / "manifest.json", damage)
+    err = one_error(capsys, "train", *TINY, "--data_dir", str(bad), "--out_dir", str(tmp_path / "o"))
+    assert message in err and str(bad / "manifest.json") in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_data_folder_as_out_dir(capsys, tmp_path: Path, data: Path) -> None:
+    folder = copy(data, tmp_path)
+    before = sorted(p.name for p in folder.iterdir())
+    err = one_error(capsys, "train", *TINY, "--data_dir", str(folder), "--out_dir", str(folder))
+    assert err == f"error: out_dir {folder} is the data folder {folder}: give the run a folder of its own"
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def test_a_shape_far_too_large_is_refused_before_it_is_built(capsys, tmp_path: Path, data: Path) -> None:
+    """100,000 blocks of 4,096: building them alone would take minutes before any memory check could run."""
+    shape = ["--n_layer", "100000", "--n_embd", "4096", "--n_head", "32"]
+    err = one_error(capsys, "train", *TINY, *shape, "--data_dir", str(data), "--out_dir", str(tmp_path / "o"))
+    assert err.startswith("error: this run needs about ") and "--check_memory false" in err
+
+
+# ------------------------------------------------------------------------------------------------ weights
+
+
+def test_weights_that_hold_nan_are_refused_by_eval_sample_and_export(
+    capsys, tmp_path: Path, run: Path, data: Path
+) -> None:
+    bad = copy(run, tmp_path)
+    weights = load_file(str(bad / "model.safetensors"))
+    weights["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+    save_file(weights, str(bad / "model.safetensors"))
+    said = f"error: {bad / 'model.safetensors'} holds NaN or infinite values (transformer.h.0.mlp.c_fc.weight)"
+    for argv in (["eval", "--data_dir", str(data)], ["sample", "--max_new_tokens", "4"], ["export"]):
+        extra = ["--out_dir", str(tmp_path / "hf")] if argv == ["export"] else []
+        err = one_error(capsys, argv[0], "--checkpoint", str(bad), *argv[1:], *extra)
+        assert err.startswith(said), err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_whose_weights_are_not_those_it_saved(capsys, tmp_path: Path, run: Path, data: Path) -> None:
+    """Step 2's weights copied over step 4's: they still load, but eval would report them as step 4's."""
+    bad = copy(run, tmp_path)
+    step2, step4 = bad / "checkpoints" / "step_00000002", bad / "checkpoints" / "step_00000004"
+    shutil.copy(step2 / "model.safetensors", step4 / "model.safetensors")
+    err = one_error(capsys, "eval", "--checkpoint", str(step4), "--data_dir", str(data))
+    assert err == (
+        f"error: checkpoint {step4} is damaged: model.safetensors differs from the file it held when it was saved "
+        "(sha256); use another checkpoint"
+    )
+
+
+def test_a_checkpoint_without_its_marker(capsys, tmp_path: Path, run: Path, data: Path) -> None:
+    bad = copy(run, tmp_path)
+    step4 = bad / "checkpoints" / "step_00000004"
+    (step4 / "COMPLETE").unlink()
+    err = one_error(capsys, "eval", "--checkpoint", str(step4), "--data_dir", str(data))
+    assert err == f"error: checkpoint {step4} is incomplete (no readable COMPLETE marker: its save did not finish)"
+
+
+def test_a_model_config_of_another_shape(capsys, tmp_path: Path, run: Path, data: Path) -> None:
+    bad = copy(run, tmp_path)
+    edit_json(bad / "model_config.json", lambda c: c["model"].update(n_embd=64))
+    err = one_error(capsys, "eval", "--checkpoint", str(bad), "--data_dir", str(data))
+    assert err.startswith(f"error: {bad / 'model.safetensors'} does not match its model_config.json: transformer.")
+    assert err.endswith(" is (96,) there, but (192,) in the model it describes"), err
+
+
+def test_a_transformers_folder_whose_weights_lack_a_block(tmp_path: Path) -> None:
+    """transformers would fill the missing block with random weights and only warn (its own process: transformers'
+    logging keeps the stream of the first test that imported it)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2-tiny"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=50_257)).save_pretrained(
+        folder
+    )
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if ".h.1." not in k}, str(folder / "model.safetensors"))
+    proc = run_cmd(python_cmd("sample", "--checkpoint", str(folder), "--max_new_tokens", "2"), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (err,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert err.startswith(f"error: '{folder}': its weights do not fill the model its config.json describes (lacks ")
+
+
+# ---------------------------------------------------------------------------------------------- HellaSwag
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda rows: rows + rows[:1], "line 6: example ind=0 again (first at"),
+        (lambda rows: [rows[0] | {"endings": ["a", " ", "b", "c"]}, *rows[1:]], "line 1: ending 1 is empty"),
+    ],
+    ids=["a-row-twice", "an-empty-ending"],
+)
+def test_hellaswag_rows_that_would_score_wrong(capsys, tmp_path: Path, damage, message: str) -> None:
+    rows = [json.loads(line) for line in HELLASWAG.read_text().splitlines()[:5]]
+    rows = [row | {"ind": i} for i, row in enumerate(rows)]
+    bad = tmp_path / "hs.jsonl"
+    bad.write_text("".join(json.dumps(row) + "\n" for row in damage(rows)))
+    torch.manual_seed(0)
+    err = one_error(capsys, "eval", "--checkpoint", "no-such-org/never", "--hellaswag", str(bad))
+    assert message in err and str(bad) in err
