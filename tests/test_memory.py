@@ -110,7 +110,7 @@ def test_a_runs_measured_peak_is_near_its_estimate(tmp_path: Path, shakespeare_s
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"bias": False}, {"arch": "nanochat"}, {"arch": "nanochat", "n_kv_head": 2}, {"n_layer": 5, "seq_len": 40}],
+    [{}, {"bias": False}, {"arch": "nanochat"}, {"arch": "nanochat", "n_kv_head": 2}, {"n_layer": 5, "seq_len": 32}],
 )
 def test_the_parameters_counted_from_the_config_are_the_models(settings: dict) -> None:
     """The estimate counts parameters without building the model (a shape far too large would take minutes)."""
