@@ -322,13 +322,20 @@ class Checkpointer:
                 logger.info("resume: auto found no complete checkpoint; starting from step 0")
             self._begin_segment()
             return
+        # the checksums first: a damaged file is named as damaged, with the checkpoint to go back to
+        stop_together(self.accelerator, damage(path) if self.accelerator.is_main_process else None)
         check_pickles_are_safe(path)
         saved = saved_state(path)
         check_resume_config(saved.config, self.state.config, path)
         check_same_data(path, saved.data, self.state.data, self.card)
         check_same_sharding(path, self.fsdp)
         self._check_own_random_state(path, saved.num_processes)
-        stop_together(self.accelerator, damage(path) if self.accelerator.is_main_process else None)
+        max_steps = self.state.config["max_steps"]
+        if saved.step > max_steps:
+            raise UserError(
+                f"cannot resume from {path}: it is at step {saved.step}, past max_steps={max_steps}; set --max_steps "
+                f"above {saved.step} to train on, or use its weights as they are"
+            )
         config, data, processes = self.state.config, self.state.data, self.state.num_processes
         try:
             self.accelerator.load_state(str(path))

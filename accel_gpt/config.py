@@ -464,6 +464,13 @@ class TrainConfig(Config):
             given = [name for name in MUON_FIELDS if getattr(self, name) != self._muon_default(name)]
             if given:
                 notes.append(f"{', '.join(given)}: Muon's setting(s), unused with --optimizer adamw")
+        source = Path(self.config)
+        if source.name == "config.yaml" and (source.parent / "metrics.jsonl").is_file():  # a run's own config.yaml
+            if source.parent.resolve() != Path(self.out_dir).resolve():
+                notes.append(
+                    f"{source} is another folder's run config: this run writes to its out_dir {self.out_dir}, not to "
+                    f"{source.parent} (a copied run? pass --out_dir {source.parent})"
+                )
         if (self.keep_best or self.final_weights == "best") and self.eval_every and self.save_every % self.eval_every:
             what = "keep_best" if self.keep_best else "final_weights best"
             every = math.lcm(self.save_every, self.eval_every)

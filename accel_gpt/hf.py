@@ -16,10 +16,12 @@ tokenizes with), so a transformers tokenizer built from them gives tiktoken's id
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import logging
 import pickle
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -187,9 +189,10 @@ def load_transformers(path_or_id: str, vocab_size: int | None = None) -> GPT:
         hf_config = AutoConfig.from_pretrained(path_or_id)
         _CONFIGS[_arch(hf_config)](hf_config)  # refuse other architectures and variants before reading weights
         check_pickled_weights(Path(path_or_id))
-        hf_model, info = AutoModelForCausalLM.from_pretrained(
-            path_or_id, config=hf_config, dtype=torch.float32, output_loading_info=True
-        )
+        with quiet_transformers():  # its load report would print a table of the gaps refused below in one line
+            hf_model, info = AutoModelForCausalLM.from_pretrained(
+                path_or_id, config=hf_config, dtype=torch.float32, output_loading_info=True
+            )
     except UserError:
         raise
     except Exception as e:  # missing folder/id (OSError), corrupt safetensors, bad config.json (ValueError), ...
@@ -200,6 +203,19 @@ def load_transformers(path_or_id: str, vocab_size: int | None = None) -> GPT:
         what = f"lacks {', '.join(sorted(missing)[:3])}" if missing else "holds weights of other shapes"
         raise UserError(f"'{path_or_id}': its weights do not fill the model its config.json describes ({what})")
     return from_transformers(hf_model, vocab_size)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings off for a call whose outcome is checked here."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _ties_head(hf_config: Any) -> bool:

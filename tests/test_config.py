@@ -241,3 +241,18 @@ def test_settings_that_do_less_than_they_seem_are_noted() -> None:
         "those of steps 12, 24, ... and the last step's"
     ]
     assert TrainConfig(data_dir="x", keep_best=True, save_every=4, eval_every=2).notes() == []
+
+
+def test_a_copied_runs_config_names_the_folder_it_writes_to(tmp_path: Path) -> None:
+    """A run folder copied elsewhere keeps the original's out_dir in its config.yaml: resumed through it, the run would
+    train into the original folder. Said at start; --out_dir fixes it."""
+    copied = tmp_path / "copy"
+    copied.mkdir()
+    (copied / "config.yaml").write_text(f"data_dir: x\nout_dir: {tmp_path / 'original'}\n")
+    (copied / "metrics.jsonl").write_text("")
+    cfg = TrainConfig.load(str(copied / "config.yaml"), {})
+    assert cfg.notes() == [
+        f"{copied / 'config.yaml'} is another folder's run config: this run writes to its out_dir "
+        f"{tmp_path / 'original'}, not to {copied} (a copied run? pass --out_dir {copied})"
+    ]
+    assert TrainConfig.load(str(copied / "config.yaml"), {"out_dir": str(copied)}).notes() == []

@@ -178,3 +178,43 @@ def test_hellaswag_rows_that_would_score_wrong(capsys, tmp_path: Path, damage, m
     torch.manual_seed(0)
     err = one_error(capsys, "eval", "--checkpoint", "no-such-org/never", "--hellaswag", str(bad))
     assert message in err and str(bad) in err
+
+
+# ------------------------------------------------------------------------------------------------ resumes
+
+
+def test_a_resume_past_max_steps(capsys, tmp_path: Path, run: Path, data: Path) -> None:
+    """max_steps below the checkpoint's step: the run would end at once and say "finished at step 4/2"."""
+    out = copy(run, tmp_path)
+    before = (out / "config.yaml").read_bytes()
+    args = [*TINY, "--data_dir", str(data), "--out_dir", str(out), "--max_steps", "2", "--resume", "auto"]
+    args += ["--save_every", "2", "--eval_every", "2", "--eval_windows", "4"]
+    err = one_error(capsys, "train", *args)
+    step4 = out / "checkpoints" / "step_00000004"
+    assert err == (
+        f"error: cannot resume from {step4}: it is at step 4, past max_steps=2; set --max_steps above 4 to train on, "
+        "or use its weights as they are"
+    )
+    assert (out / "config.yaml").read_bytes() == before
+
+
+def test_a_damaged_pickle_is_named_as_damage_before_it_is_unpickled(
+    capsys, tmp_path: Path, run: Path, data: Path
+) -> None:
+    """Random bytes in a checkpoint's random state: the checksum says which checkpoint to go back to, before
+    torch's unpickler would call them an unsafe file."""
+    out = copy(run, tmp_path)
+    step2, step4 = out / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000004"
+    (step4 / "random_states_0.pkl").write_bytes(bytes(range(256)) * 4)
+    args = [*TINY, "--data_dir", str(data), "--out_dir", str(out), "--max_steps", "6", "--resume", "auto"]
+    err = one_error(capsys, "train", *args, "--save_every", "2", "--eval_every", "2", "--eval_windows", "4")
+    assert err == (
+        f"error: checkpoint {step4} is damaged: random_states_0.pkl differs from the file it held when it was saved "
+        f"(sha256); resume from the one before it by path: --resume {step2}"
+    )
+
+
+def test_a_file_given_as_data_dir(capsys, tmp_path: Path, data: Path) -> None:
+    file = data / "manifest.json"
+    err = one_error(capsys, "train", *TINY, "--data_dir", str(file), "--out_dir", str(tmp_path / "o"))
+    assert err == f"error: data_dir '{file}' is a file; give the folder `run.py prepare` wrote"

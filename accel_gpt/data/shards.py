@@ -160,6 +160,8 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     if not str(data_dir):
         raise DataError("data_dir is required: a folder written by `run.py prepare`")
     data_dir = Path(data_dir)
+    if data_dir.is_file():
+        raise DataError(f"data_dir '{data_dir}' is a file; give the folder `run.py prepare` wrote")
     if not data_dir.is_dir():
         raise DataError(f"data_dir '{data_dir}' does not exist; {prepare_hint(data_dir)}")
     path = data_dir / MANIFEST
