@@ -24,10 +24,13 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError
+
+logger = get_logger(__name__)
 
 # Bytes autograd keeps per token and layer, in widths of the residual stream (n_embd), by block and for fp32 or
 # half-precision autocast: measured with saved-tensor hooks (tests/test_memory.py measures them again). Under
@@ -96,9 +99,17 @@ def available(device: torch.device, local_processes: int) -> int | None:
 
 
 def check_fits(need: MemoryNeed, room: int | None, cfg: TrainConfig, device: torch.device) -> None:
-    """Refuse a run whose need is over what the device has, in one line naming what lowers it."""
+    """Refuse a run whose need is over what the device has, in one line naming what lowers it. On a GPU the
+    estimate is not yet checked against a measured peak (torch.compile fuses the loss and keeps fewer
+    activations), so there it is a warning: the first step's out-of-memory error would follow within seconds."""
     factor = CPU_RESIDENT_FACTOR if device.type == "cpu" else 1.0
     if room is None or need.total * factor <= room or not cfg.check_memory:
+        return
+    if device.type == "cuda":
+        logger.warning(
+            f"this run may not fit: {need.describe()} against {gb(room)} free on the GPU; if its first step runs out "
+            "of memory, lower micro_batch_size or set --activation_checkpointing true or --loss_chunk 4096"
+        )
         return
     lower = [f"micro_batch_size (now {cfg.micro_batch_size}: activations scale with it)"]
     if not cfg.activation_checkpointing:
