@@ -13,12 +13,10 @@ from conftest import python_cmd, run_cmd
 from accel_gpt.cli import main
 from accel_gpt.config import TrainConfig
 from accel_gpt.memory import (
-    CPU_RESIDENT_FACTOR,
     SAVED_BYTES_PER_WIDTH,
     MemoryNeed,
     activation_bytes,
     estimate,
-    gb,
     parameter_counts,
 )
 from accel_gpt.model import GPT, GPTConfig
@@ -96,16 +94,22 @@ def test_a_run_that_cannot_fit_is_refused_before_it_allocates(
 def test_a_runs_measured_peak_is_near_its_estimate(tmp_path: Path, shakespeare_shards: Path) -> None:
     """`tiny-cpu` at 8 sequences per micro-batch: its logits (8 x 64 x 50,304) are most of its need. The start-up
     line says the estimate and the room; the summary the peak the process reached over its size at start-up, which
-    on a CPU runs over the tensors' need by what glibc keeps (1.3-1.9x here over repeated runs)."""
+    on a CPU runs over the tensors' need by what glibc keeps in its arenas (1.2-2.2x here over repeated runs)."""
     flags = ["--config", "tiny-cpu", "--max_steps", "3", "--micro_batch_size", "8", "--eval_every", "0"]
     flags += ["--save_every", "0", "--sample_tokens", "0", "--log_with", "none"]
     proc = run_cmd(python_cmd("train", *flags, "--data_dir", str(shakespeare_shards), "--out_dir", str(tmp_path / "r")))
     start = re.search(r"\| memory about ([\d.]+) MB per process \(.*\) of ([\d,.]+) GB free", proc.stderr)
     assert start, proc.stderr[-3000:]
-    peak, estimated = re.search(r"peak memory ([\d.]+) MB \(estimated ([\d.]+) MB\)", proc.stderr).groups()
-    assert float(estimated) == float(start.group(1))
-    assert 1.0 < float(peak) / float(estimated) < CPU_RESIDENT_FACTOR * 1.4, (peak, estimated)
-    assert gb(int(float(estimated) * 1e6)) == f"{float(estimated):.0f} MB"
+    peak, estimated = (
+        megabytes(size) for size in re.search(r"peak memory (.+?) \(estimated (.+?)\)", proc.stderr).groups()
+    )
+    assert estimated == float(start.group(1))
+    assert 1.0 < peak / estimated < 2.6, (peak, estimated)  # a spread of repeated runs: 1.2-2.2x; 3x would be a miss
+
+
+def megabytes(text: str) -> float:
+    number, unit = text.split()
+    return float(number.replace(",", "")) * {"MB": 1, "GB": 1000}[unit]
 
 
 @pytest.mark.parametrize(
