@@ -37,7 +37,7 @@ logger = get_logger(__name__)
 # autocast the norms' outputs and the residual stream stay fp32, so half precision saves less than half.
 SAVED_BYTES_PER_WIDTH = {("gpt2", False): 65, ("gpt2", True): 61, ("nanochat", False): 57, ("nanochat", True): 74}
 # A CPU process's resident peak over the tensors' need: glibc keeps freed buffers for reuse (`keep_freed_memory`),
-# and their sizes do not always fit the next request. Measured 1.2-2.2x on tiny-cpu at 8 sequences per micro-batch
+# and their sizes do not always fit the next request. Measured 1.2-3.0x on tiny-cpu at 8 sequences per micro-batch
 # (tests/test_memory.py); a GPU's caching allocator is counted by torch itself.
 CPU_RESIDENT_FACTOR = 1.5
 # fp32 tensors over the logits that the loss keeps alive at its peak (log-softmax, its gradient, the logits' fp32

@@ -388,12 +388,13 @@ class GPT(nn.Module):
         cap, head = self.config.logit_softcap, self.lm_head.weight[: self.vocab_in_use]  # a view: no copy
         if targets is not None and not return_logits and self.loss_chunk:
             return None, chunked_lm_loss(h.view(B * T, -1), head, targets.reshape(-1), self.loss_chunk, cap or 0.0)
-        logits = F.linear(h, head)  # (B, T, vocab_in_use)
+        logits = self.lm_head(h)  # (B, T, vocab_size): the padded width keeps the matmul's shapes aligned
+        logits = logits[..., : self.vocab_in_use]  # a view; the fp32 copy below is made once, of these columns
         if cap:  # in fp32: tanh's slope near +-cap needs more than bf16's 8 bits
             logits = cap * torch.tanh(logits.float() / cap)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
         return (logits if return_logits else None), loss
 
     def num_params(self, non_embedding: bool = True) -> int:

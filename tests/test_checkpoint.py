@@ -678,6 +678,9 @@ def from_ref(tmp_path_factory: pytest.TempPathFactory, data: Path, ref: dict[int
     complete.write_text(json.dumps({k: v for k, v in json.loads(complete.read_text()).items() if k != "sha256"}))
     marker = root / "payload_ran"
     torch.save({"step": Payload(marker)}, ckpt(cases["unsafe_pickle"][0], 8) / "custom_checkpoint_0.pkl")
+    # with its checksums rewritten (or from before them): the checksums would otherwise name it damaged first
+    complete = ckpt(cases["unsafe_pickle"][0], 8) / "COMPLETE"
+    complete.write_text(json.dumps({k: v for k, v in json.loads(complete.read_text()).items() if k != "sha256"}))
     before = {name: _snapshot(out) for name, (out, _) in cases.items()}
 
     def run(name: str) -> subprocess.CompletedProcess:
