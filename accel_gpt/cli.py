@@ -12,7 +12,7 @@ import importlib
 import sys
 import typing
 from dataclasses import MISSING, dataclass, fields
-from typing import Any
+from typing import Any, NoReturn
 
 from accel_gpt.config import (
     Config,
@@ -140,9 +140,16 @@ def _flag_value(argv: list[str], flags: tuple[str, ...]) -> str:
     return ""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in the product's form: one `error:` line, exit 2 (argparse prints its usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser(only: str | None = None, defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
     """The parser of every command; `only`'s flags show `defaults` (a preset's values) in their help."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="accel-gpt",
         description="GPT-2 pretraining with Hugging Face Accelerate: prepare -> train -> eval/sample/export/plot.",
         allow_abbrev=False,

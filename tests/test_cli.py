@@ -215,12 +215,13 @@ def test_prepare_help_names_presets_and_internet(capsys: pytest.CaptureFixture) 
         (["plot"], "required: RUN_DIR"),
     ],
 )
-def test_usage_errors_exit_2_with_usage(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+def test_usage_errors_exit_2_in_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    """argparse's own errors take the product's form: one `error:` line naming the --help to read (no usage)."""
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("usage: accel-gpt") and message in err
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ") and message in line and line.endswith(" --help`)"), line
 
 
 # (argv, the misspelt flag, the flag meant): the message lists the close matches, the meant one among them

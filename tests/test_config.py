@@ -207,7 +207,9 @@ def test_flags_need_values(capsys: pytest.CaptureFixture) -> None:
         with pytest.raises(SystemExit) as exc:
             parse(argv)
         assert exc.value.code == 2
-        assert "argument --n_layer: expected one argument" in capsys.readouterr().err
+        assert capsys.readouterr().err == (
+            "error: argument --n_layer: expected one argument (see `accel-gpt train --help`)\n"
+        )  # one line, as every error of the product: argparse's usage line is left out
 
 
 def test_saved_config_loads_back_the_same(tmp_path: Path) -> None:
