@@ -475,6 +475,16 @@ def gpt2_data(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list
     return write_token_shards(tmp_path_factory.mktemp("gpt2") / "data", tokens[:54_000], tokens[54_000:])
 
 
+def on_a_small_disk(disk: Path, size: str, data: Path, out: Path, *flags: str) -> str:
+    """`tiny-cpu` trained into `out` on `disk` remounted at `size`: its one `error:` line (exit 2, no traceback)."""
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
+    cmd = python_cmd("train", *TINY_CPU, "--data_dir", str(data), "--out_dir", str(out), *flags)
+    proc = run_cmd(cmd, timeout=300, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = errors(proc.stderr)
+    return line
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -490,12 +500,10 @@ def test_a_checkpoint_much_larger_than_the_space_left_is_one_line(
     """`tiny-cpu`'s 40 MB checkpoints: step 2's fits, step 4's finds about 10 MB free (its 13 MB weights file fails,
     in safetensors' own error) or 23 MB (the weights fit, the 27 MB optimizer state fails, in torch's writer,
     whose message names no cause). One line with what the save needed, exit 2, step 2 intact, no temporary left."""
-    subprocess.run(["mount", "-o", f"remount,size={disk}", str(small_disk)], check=True)
     out = small_disk / "run"
-    cmd = python_cmd("train", *TINY_CPU, "--data_dir", str(gpt2_data), "--out_dir", str(out), "--max_steps", "6")
-    proc = run_cmd([*cmd, "--save_every", "2", "--keep_checkpoints", "1"], timeout=300, check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    (line,) = errors(proc.stderr)
+    line = on_a_small_disk(
+        small_disk, disk, gpt2_data, out, "--max_steps", "6", "--save_every", "2", "--keep_checkpoints", "1"
+    )
     match = re.fullmatch(
         rf"error: cannot save checkpoint {ckpt(out, 4)}: {NO_SPACE}; the run stopped after step 4 and the previous "
         rf"checkpoint, {ckpt(out, 2)}, is intact: make room \(or fix the folder\), then continue with --resume auto",
@@ -512,12 +520,8 @@ def test_a_checkpoint_much_larger_than_the_space_left_is_one_line(
 
 def test_final_weights_much_larger_than_the_space_left_are_one_line(gpt2_data: Path, small_disk: Path) -> None:
     """`tiny-cpu`'s 13 MB final weights on a 3 MB disk, without checkpoints: one line, exit 2, no temporary left."""
-    subprocess.run(["mount", "-o", "remount,size=3m", str(small_disk)], check=True)
     out = small_disk / "run"
-    cmd = python_cmd("train", *TINY_CPU, "--data_dir", str(gpt2_data), "--out_dir", str(out), "--max_steps", "2")
-    proc = run_cmd([*cmd, "--save_every", "0"], timeout=300, check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    (line,) = errors(proc.stderr)
+    line = on_a_small_disk(small_disk, "3m", gpt2_data, out, "--max_steps", "2", "--save_every", "0")
     match = re.fullmatch(
         rf"error: cannot write the final weights {out / 'model.safetensors'}: {NO_SPACE}; no checkpoint holds them "
         r"\(save_every 0\), so they are lost: make room, then train again",
