@@ -105,8 +105,9 @@ def test_a_runs_measured_peak_is_near_its_estimate(tmp_path: Path, shakespeare_s
     )
     assert estimated == float(start.group(1))
     # The estimate leaves nothing out (the process held at least that), and is of the right size: repeated identical
-    # runs measured 1.2-3.0x it, the spread of what glibc's arenas keep of the freed logits buffers.
-    assert 0.9 < peak / estimated < 4, (peak, estimated)
+    # runs measured 1.2-3.0x it, the spread of what glibc's arenas keep of the freed logits buffers (another
+    # machine's glibc may keep more: the bound is loose on that side).
+    assert 0.9 < peak / estimated < 6, (peak, estimated)
 
 
 def megabytes(text: str) -> float:
