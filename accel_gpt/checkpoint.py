@@ -90,6 +90,7 @@ from accel_gpt.weights import (
     read_marker,
     read_model_config,
     save_weights,
+    unlike_recorded,
     write_model_config,
 )
 from accel_gpt.workarounds import check_pickles_are_safe, drop_tied_head, first_line, reset_micro_step
@@ -418,17 +419,8 @@ def damage(checkpoint: Path, present: bool = True, absent: bool = True) -> str |
     they match, or it is from before checksums were recorded): the files `present` that changed (hashed), the ones
     `absent`. A resume asks for the two apart: a missing rank's random state has a more precise line of its own,
     which needs the group that saved it, which needs a pickle read, which must come after the hashes."""
-    recorded = (read_marker(checkpoint) or {}).get("sha256")
-    if not isinstance(recorded, dict):
-        return None
-    for name, digest in recorded.items():
-        file = checkpoint / name
-        if not file.is_file():
-            if absent:
-                return damaged(checkpoint, f"{name} is missing")
-        elif present and sha256_file(file) != digest:
-            return damaged(checkpoint, f"{name} differs from the file it held when it was saved (sha256)")
-    return None
+    unlike = unlike_recorded(checkpoint, present=present, absent=absent)
+    return None if unlike is None else damaged(checkpoint, unlike)
 
 
 def damaged(checkpoint: Path, what: str) -> str:

@@ -122,15 +122,30 @@ def check_as_saved(folder: Path) -> None:
     marker = read_marker(folder)
     if marker is None and folder.parent.name == CHECKPOINTS and folder.name.startswith("step_"):
         raise UserError(f"checkpoint {folder} is incomplete (no readable {COMPLETE} marker: its save did not finish)")
-    recorded = (marker or {}).get("sha256")
+    changed = unlike_recorded(folder, names=(WEIGHTS, MODEL_CONFIG))
+    if changed is not None:
+        raise UserError(f"checkpoint {folder} is damaged: {changed}; use another checkpoint")
+
+
+def unlike_recorded(
+    checkpoint: Path, names: tuple[str, ...] | None = None, present: bool = True, absent: bool = True
+) -> str | None:
+    """How the first of a checkpoint's files (`names`, default all) is unlike the checksums its `COMPLETE` marker
+    recorded, in words; None when they match or none were recorded. `present`: hash the files there; `absent`: report
+    a missing one."""
+    recorded = (read_marker(checkpoint) or {}).get("sha256")
     if not isinstance(recorded, dict):
-        return
-    for name in (WEIGHTS, MODEL_CONFIG):
-        if name in recorded and sha256_file(folder / name) != recorded[name]:
-            raise UserError(
-                f"checkpoint {folder} is damaged: {name} differs from the file it held when it was saved (sha256); "
-                "use another checkpoint"
-            )
+        return None
+    for name, digest in recorded.items():
+        file = checkpoint / name
+        if names is not None and name not in names:
+            continue
+        if not file.is_file():
+            if absent:
+                return f"{name} is missing"
+        elif present and sha256_file(file) != digest:
+            return f"{name} differs from the file it held when it was saved (sha256)"
+    return None
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, ModelCard]:
