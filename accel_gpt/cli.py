@@ -44,6 +44,8 @@ COMMANDS = {
         "tokenize a dataset into GPT-2 token shards + manifest.json",
         "Tokenize text (a Hugging Face hub id, local txt/json/jsonl/parquet/csv files or folders, a save_to_disk "
         "folder, or an http(s) URL: hub ids and URLs need internet) into fixed-size token shards that `train` reads. "
+        "With no --dataset and no --preset, it prepares the tiny Shakespeare that ships with accel_gpt as the "
+        "tinyshakespeare preset does (into data/shakespeare, which the tiny-cpu preset reads). "
         "Re-running the same command resumes an interrupted run and verifies a finished one. On several machines, "
         "--num_shards K --shard_index i (or RANK/WORLD_SIZE under accelerate launch) write OUT_DIR/part-i-of-K; "
         "the last part to finish (or --merge) writes OUT_DIR/manifest.json over all parts.",
@@ -125,11 +127,18 @@ def parse(argv: list[str]) -> tuple[str, Config]:
         if key.startswith("--") and key not in (*known, "--help"):
             hint = did_you_mean(key[2:], [k[2:] for k in known], prefix="--")
             raise ConfigError(f"unknown {name} flag '{key}'{hint}")
-    config = _flag_value(argv, flags)
+    config = _flag_value(argv, flags) or _default_preset(name, argv)
     parser = build_parser(name, preset_values(command.config, config) if config else {})
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     return name, command.config.load(config, given)
+
+
+def _default_preset(name: str, argv: list[str]) -> str:
+    """`prepare` given no text and no preset prepares the bundled tiny Shakespeare as its preset does: a first run
+    needs no argument, and writes the folder that the `tiny-cpu` preset reads. `--help` shows the plain defaults."""
+    given = {a.split("=")[0] for a in argv}
+    return "tinyshakespeare" if name == "prepare" and not given & {"--dataset", "--merge", "--help", "-h"} else ""
 
 
 def _flag_value(argv: list[str], flags: tuple[str, ...]) -> str:

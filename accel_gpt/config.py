@@ -533,7 +533,11 @@ class TrainConfig(Config):
 @dataclass
 class PrepareConfig(Config):
     command: ClassVar[str] = "prepare"
-    dataset: str = option("", "the text: a hub id, local txt/json/jsonl/parquet/csv files or folder, or http(s) URL")
+    dataset: str = option(
+        "",
+        "the text: a hub id, local txt/json/jsonl/parquet/csv files or folder, or http(s) URL "
+        "(unset: tiny Shakespeare, 1.1 MB, bundled with accel_gpt)",
+    )
     dataset_config: str | None = option(None, "hub dataset config name, e.g. sample-10BT")
     split: str = option("train", "split to read")
     val_split: str | None = option(None, "the dataset's own validation split, if it has one")
@@ -566,9 +570,6 @@ class PrepareConfig(Config):
             raise ConfigError(f"shard_index={self.shard_index} must be in 0..{self.num_shards - 1} (num_shards)")
         if self.tokenizer == "char" and (self.num_shards or 1) > 1:
             raise ConfigError("the char tokenizer builds its vocabulary from all the data, so it runs as one part")
-        if not self.dataset and not self.merge:
-            names = ", ".join(preset_names(PrepareConfig))
-            raise ConfigError(f"prepare needs --dataset (hub id, local file or folder, or URL) or --preset ({names})")
         if not self.out_dir:
             raise ConfigError("--out_dir is empty: name the folder for the shards and manifest.json (train's data_dir)")
 

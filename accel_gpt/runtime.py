@@ -179,7 +179,7 @@ class ElasticLaunch:
             f"max_restarts {self.max_restarts} over {self.machines} machines: a restarted group would meet in the "
             "launcher's store, where the failed group's addresses are still written, and can hang or fail to connect; "
             "launch with --rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment of every "
-            "machine (README: Resume and elastic restarts)"
+            "machine (docs/distributed.md: Elastic restarts)"
         )
 
 

@@ -16,7 +16,7 @@ SHAKESPEARE = DATA / "tinyshakespeare.txt"
 HELLASWAG = DATA / "hellaswag_val.jsonl"
 
 # Only tiktoken's GPT-2 BPE files come from outside: TIKTOKEN_CACHE_DIR, as for any user offline. A relative one
-# (`../some/tiktoken_cache`) names a folder from where pytest starts, and the quick start runs README commands in
+# (`../some/tiktoken_cache`) names a folder from where pytest starts, and the quick start runs the manual's commands in
 # folders of their own: it is made absolute here, for them.
 if os.environ.get("TIKTOKEN_CACHE_DIR"):
     os.environ["TIKTOKEN_CACHE_DIR"] = os.path.abspath(os.environ["TIKTOKEN_CACHE_DIR"])

@@ -1,7 +1,7 @@
-"""Elastic restarts as the README shows them: a launch with `--max_restarts` whose process is SIGKILLed twice ends
-like a run never killed; what the trainer reads from torchrun's environment, and the lines it gives.
+"""Elastic restarts as docs/distributed.md shows them: a launch with `--max_restarts` whose process is SIGKILLed
+twice ends like a run never killed; what the trainer reads from torchrun's environment, and the lines it gives.
 
-The real runs use the README's own commands (`accelerate launch --config_file accelerate_configs/cpu_2proc.yaml
+The real runs use the page's own commands (`accelerate launch --config_file accelerate_configs/cpu_2proc.yaml
 --max_restarts 3 ... --resume auto`, and `torchrun --standalone ... --max_restarts 3`), with the training script
 swapped for `tests/workers/interrupted_train.py`, which kills one rank per attempt at an exact step (`--die_at`) and,
 in a restarted group, starts the last rank late: the other rank then forms the group first and reads whatever the
@@ -27,7 +27,7 @@ import pytest
 import torch
 from conftest import REPO, subprocess_env, write_token_shards
 from safetensors.torch import load_file
-from test_quickstart import readme_command
+from test_quickstart import doc_command
 
 from accel_gpt.errors import UserError
 from accel_gpt.files import LOCK
@@ -45,8 +45,8 @@ WORKER = "tests/workers/interrupted_train.py"
 # directory's lock, dies before its 5th step, step 8 (checkpoint 6 saved). Attempt 2 resumes at 6 and finishes.
 DIE_AT = "5:1,5:0"
 LATE = "2"  # seconds the restarted group's last rank starts after the others
-# The README's CPU commands for a launch that may restart (one per launcher).
-README_LAUNCHES = {
+# The manual's CPU commands for a launch that may restart (one per launcher), in docs/distributed.md.
+DOC_LAUNCHES = {
     "accelerate": ("OMP_NUM_THREADS=1 accelerate launch", "--max_restarts"),
     "torchrun": ("OMP_NUM_THREADS=1 torchrun", "--max_restarts"),
 }
@@ -139,10 +139,10 @@ def data(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]
     return write_token_shards(root / "data", tokens[:36_000], tokens[36_000:], shard_size=9_000, vocab_size=VOCAB)
 
 
-def readme_launcher(name: str) -> list[str]:
-    """The README's launch command for `name`, up to the script, as argv for this interpreter; asserts that the
-    README trains it with `--resume auto`."""
-    words = shlex.split(readme_command(*README_LAUNCHES[name]))
+def page_launcher(name: str) -> list[str]:
+    """The page's launch command for `name`, up to the script, as argv for this interpreter; asserts that the
+    page trains it with `--resume auto`."""
+    words = shlex.split(doc_command("docs/distributed.md", *DOC_LAUNCHES[name]))
     while "=" in words[0]:  # OMP_NUM_THREADS=1: subprocess_env sets it
         words.pop(0)
     script = words.index("run.py")
@@ -180,7 +180,7 @@ def killed_twice(name: str, data: Path, root: Path) -> dict:
     out, control = root / name / "run", root / name / "control"
     control.mkdir(parents=True)
     script = [WORKER, str(control), "--die_at", DIE_AT, "--late_after_restart", LATE, "--"]
-    cmd = [*readme_launcher(name), *script, *FLAGS, "--data_dir", str(data), "--out_dir", str(out), "--resume", "auto"]
+    cmd = [*page_launcher(name), *script, *FLAGS, "--data_dir", str(data), "--out_dir", str(out), "--resume", "auto"]
     start = time.monotonic()
     code, output = launch(cmd, root / name / "output.txt", control)
     died = {p.name: p.read_text() for p in control.glob("died_*")}
@@ -191,7 +191,7 @@ def killed_twice(name: str, data: Path, root: Path) -> dict:
 def never_killed(data: Path, root: Path) -> Path:
     out = root / "reference" / "run"
     out.parent.mkdir(parents=True)
-    cmd = [*readme_launcher("accelerate"), "run.py", "train", *FLAGS, "--data_dir", str(data), "--out_dir", str(out)]
+    cmd = [*page_launcher("accelerate"), "run.py", "train", *FLAGS, "--data_dir", str(data), "--out_dir", str(out)]
     code, output = launch([*cmd, "--resume", "auto"], root / "reference" / "output.txt")
     assert code == 0 and output.count("2 process(es) on cpu") == 1, output[-6000:]
     return out
@@ -201,7 +201,7 @@ def never_killed(data: Path, root: Path) -> Path:
 def runs(tmp_path_factory: pytest.TempPathFactory, data: Path) -> dict:
     """The reference and one double-kill run per launcher, two at a time; a failed job is kept as its exception."""
     root = tmp_path_factory.mktemp("elastic_runs")
-    jobs = {name: (lambda name=name: killed_twice(name, data, root)) for name in README_LAUNCHES}
+    jobs = {name: (lambda name=name: killed_twice(name, data, root)) for name in DOC_LAUNCHES}
     jobs["reference"] = lambda: never_killed(data, root)
     with ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
@@ -219,7 +219,7 @@ def rows(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(README_LAUNCHES))
+@pytest.mark.parametrize("name", list(DOC_LAUNCHES))
 def test_a_process_killed_twice_restarts_and_ends_bit_identical(runs: dict, name: str) -> None:
     ref, run = result(runs, "reference"), result(runs, name)
     output, out = run["output"], run["run"]

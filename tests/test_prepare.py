@@ -30,6 +30,7 @@ from accel_gpt.data.encode import encode_pieces, iter_pieces, make_tasks
 from accel_gpt.data.merge import merge_parts
 from accel_gpt.data.pipeline import STATE_FILE
 from accel_gpt.data.prepare import Job, prepare
+from accel_gpt.data.sources import BUNDLED_TEXT, resolve_source
 from accel_gpt.errors import ConfigError, DataError
 from accel_gpt.files import LOCK
 from accel_gpt.tokenizer import GPT2_EOT, Tokenizer
@@ -310,7 +311,7 @@ def test_presets_and_flags_over_them() -> None:
     assert fineweb.val_tokens == 100_000_000 and fineweb.shard_size == 100_000_000 and fineweb.streaming
     assert fineweb.num_proc == 8 and fineweb.sample_by == "paragraph"
     tiny = cli_config(["--preset", "tinyshakespeare"])
-    assert tiny.dataset.startswith("https://") and tiny.sample_by == "document" and tiny.val_tokens == 33_800
+    assert tiny.dataset == "" and tiny.sample_by == "document" and tiny.val_tokens == 33_800  # the bundled text
     assert tiny.tokenizer == "gpt2" and tiny.config == "tinyshakespeare"
     tiny_char = cli_config(["--preset", "tinyshakespeare", "--tokenizer", "char"])
     assert (tiny_char.tokenizer, tiny_char.val_tokens, tiny_char.sample_by) == ("char", 33_800, "document")
@@ -324,6 +325,32 @@ def test_presets_and_flags_over_them() -> None:
     assert cli_config(["--preset", "tinyshakespeare", "--val_tokens", "5"]).val_tokens == 5
     with pytest.raises(ConfigError, match="neither a YAML file nor a prepare preset; did you mean tinyshakespeare"):
         cli_config(["--preset", "tinyshakespear"])
+
+
+def test_prepare_given_no_text_prepares_the_bundled_tiny_shakespeare() -> None:
+    """No --dataset and no preset: the tinyshakespeare preset, whose text (an unset --dataset) ships with accel_gpt;
+    a --dataset, a preset or --merge of the user's is never mixed with it."""
+    _, cfg = parse(["prepare"])
+    assert (cfg.config, cfg.dataset, cfg.out_dir, cfg.val_tokens) == ("tinyshakespeare", "", "data/shakespeare", 33_800)
+    assert parse(["prepare", "--val_tokens", "100"])[1].config == "tinyshakespeare"
+    assert parse(["prepare", "--dataset", "corpus.txt"])[1].config == ""
+    assert parse(["prepare", "--dataset=corpus.txt"])[1].config == ""
+    assert parse(["prepare", "--merge", "true", "--out_dir", "data/x"])[1].config == ""
+    assert parse(["prepare", "--preset", "fineweb-edu-10B"])[1].dataset == "HuggingFaceFW/fineweb-edu"
+    source = resolve_source("")
+    assert source.kind == "files" and source.files == (str(BUNDLED_TEXT),) and source.loader == "text"
+    assert BUNDLED_TEXT.stat().st_size == 1_115_394 and BUNDLED_TEXT.read_text().startswith("First Citizen:\n")
+
+
+@pytest.mark.slow
+def test_the_char_preset_prepares_the_bundled_text_offline(tmp_path: Path) -> None:
+    """nanoGPT's shakespeare_char data with nothing but accel_gpt: 1,115,394 characters, 65 of them distinct, the
+    first 111,540 held out."""
+    out = tmp_path / "chars"
+    prepare(cli_config(["--preset", "shakespeare-char", "--out_dir", str(out)]))
+    manifest = shards.read_manifest(out)
+    assert manifest["tokens"] == {"train": 1_115_394 - 111_540, "val": 111_540} and manifest["vocab_size"] == 65
+    assert shards.tokenizer(manifest).decode(stream(out).tolist()) == BUNDLED_TEXT.read_text()
 
 
 @pytest.mark.parametrize("preset", ["tinyshakespeare", "shakespeare-char"])

@@ -1,14 +1,14 @@
-"""The README, executed: its CPU quick start end to end, and every other command it shows.
+"""The manual, executed: the README's quick start end to end, and every other command of the README and docs/.
 
-Commands are read out of README.md, so the README cannot drift from the code. Those that run on a CPU
-without internet run here as written (only the input paths substituted, fewer training steps, and a free
-port for `accelerate launch`). Those that need internet or GPUs are checked as far as a CPU allows: each
-one parses with the real parsers (ours, and Accelerate's launcher), its config files load and its
-training config resolves. A new kind of command added to the README fails `test_every_readme_command_is_checked`
-until it is handled here.
+Commands are read out of the pages, so the manual cannot drift from the code. Those that run on a CPU without
+internet run here as written (only the input paths substituted, fewer training steps, and a free port for
+`accelerate launch`), each read from the page that now holds it. Those that need internet or GPUs are checked as far
+as a CPU allows: each one parses with the real parsers (ours, Accelerate's launcher, torchrun's), its config files
+load and its training config resolves. A new kind of command added to a page fails
+`test_every_command_of_the_manual_is_checked` until it is handled here.
 
 The quick start runs once per module (the fixture) in a scratch folder; the other tests reuse its data
-and run directory.
+and run directory. `make quickstart` runs it too, on a fresh copy of the repository.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from accel_gpt.errors import UserError
 from tests.conftest import HELLASWAG, REPO, SHAKESPEARE, subprocess_env
 
 README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 SUBSTITUTE = {"path/to/input.txt": str(SHAKESPEARE), "path/to/hellaswag_val.jsonl": str(HELLASWAG)}
-# The preset's 150 steps take minutes; 3 steps and a short last evaluation show every part working.
+# The preset's 100 steps take a minute; 3 steps and a short last evaluation show every part working.
 FEW_STEPS = ["--max_steps", "3", "--log_every", "1", "--eval_steps", "2"]
 # Commands without a process group of their own run inside pytest (the same argv through the same main()),
 # which saves a torch import per command; training and evaluation build an Accelerator and run as processes.
 IN_PROCESS = ("sample", "plot", "export")
-# Shell variables the README's SLURM script uses, with plausible values for parsing.
+# Shell variables the SLURM script uses, with plausible values for parsing.
 SHELL_VARS = {"SLURM_NNODES": "2", "SLURM_NODEID": "1", "MAIN_ADDR": "10.0.0.1"}
 # Commands that are not ours to parse, each with where it is exercised.
 OTHER_COMMANDS = {
@@ -58,7 +59,7 @@ OTHER_COMMANDS = {
 }
 
 
-# ------------------------------------------------------------------------------------------ README parsing
+# ------------------------------------------------------------------------------------------ reading the pages
 
 
 def code_blocks(text: str, language: str) -> list[tuple[int, str]]:
@@ -72,8 +73,8 @@ def block_commands(body: str) -> list[str]:
     return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def readme_commands() -> list[str]:
-    return [cmd for _, body in code_blocks(README.read_text(), "bash") for cmd in block_commands(body)]
+def page_commands(page: Path) -> list[str]:
+    return [cmd for _, body in code_blocks(page.read_text(), "bash") for cmd in block_commands(body)]
 
 
 def quickstart_commands() -> list[str]:
@@ -84,14 +85,20 @@ def quickstart_commands() -> list[str]:
     return block_commands(body)
 
 
-def readme_command(prefix: str, contains: str = "") -> str:
-    """The one README command starting with `prefix` (and holding `contains`), or `prefix` itself when it is a whole
-    README command: the test runs what users read."""
-    if prefix in readme_commands() and not contains:
+def doc_command(page: str, prefix: str, contains: str = "") -> str:
+    """The one command of `page` (relative to the repository) starting with `prefix` (and holding `contains`), or
+    `prefix` itself when it is a whole command there: the test runs what users read where they read it."""
+    commands = page_commands(REPO / page)
+    if prefix in commands and not contains:
         return prefix
-    found = [c for c in readme_commands() if c.startswith(prefix) and contains in c]
-    assert len(found) == 1, f"expected one README command '{prefix} ... {contains}', found {found}"
+    found = [c for c in commands if c.startswith(prefix) and contains in c]
+    assert len(found) == 1, f"expected one command '{prefix} ... {contains}' in {page}, found {found}"
     return found[0]
+
+
+def python_snippet(page: str, contains: str) -> str:
+    (snippet,) = [body for _, body in code_blocks((REPO / page).read_text(), "python") if contains in body]
+    return snippet
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -100,7 +107,7 @@ QuickStart = tuple[Path, dict[str, str]]
 
 
 def to_argv(command: str, extra: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
-    """A README command as argv for this interpreter (+ leading VAR=value assignments as env)."""
+    """A command of the manual as argv for this interpreter (+ leading VAR=value assignments as env)."""
     for placeholder, real in SUBSTITUTE.items():
         command = command.replace(placeholder, real)
     words = shlex.split(command)
@@ -127,10 +134,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_readme(
+def run_documented(
     command: str, cwd: Path, extra: list[str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    """Run a README command in `cwd`, failing with its output shown. Accelerate's default config is looked up in
+    """Run a command of the manual in `cwd`, failing with its output shown. Accelerate's default config is looked up in
     `cwd/hf_home`, never the user's, and ACCELERATE_USE_CPU is unset so the configs work as they would for a user."""
     argv, env_vars = to_argv(command, extra)
     env = subprocess_env(HF_HOME=str(cwd / "hf_home"), **env_vars)
@@ -138,14 +145,14 @@ def run_readme(
     proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(
-            f"README command failed ({proc.returncode}): {command}\n--- stdout\n{proc.stdout[-3000:]}"
+            f"command of the manual failed ({proc.returncode}): {command}\n--- stdout\n{proc.stdout[-3000:]}"
             f"\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
 
 
 def run_in_process(command: str, cwd: Path) -> str:
-    """A README `python run.py ...` command through accel_gpt.cli.main in `cwd`; returns what it printed.
+    """A `python run.py ...` command of the manual through accel_gpt.cli.main in `cwd`; returns what it printed.
 
     One torch thread, like the launched processes (OMP_NUM_THREADS=1): on a shared 2-core machine two
     threads spin against other tests' processes and made token-by-token sampling 3x slower."""
@@ -169,10 +176,10 @@ def run_in_process(command: str, cwd: Path) -> str:
 
 
 def run_any(command: str, cwd: Path, extra: list[str] | None = None) -> str:
-    """stdout of a README command, run in-process where it can be (IN_PROCESS), else as its own process."""
+    """stdout of a command of the manual, run in-process where it can be (IN_PROCESS), else as its own process."""
     if shlex.split(command)[2] in IN_PROCESS and not extra:
         return run_in_process(command, cwd)
-    return run_readme(command, cwd, extra).stdout
+    return run_documented(command, cwd, extra).stdout
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -187,7 +194,7 @@ def quickstart(tmp_path_factory: pytest.TempPathFactory) -> QuickStart:
     for command in quickstart_commands():
         subcommand = shlex.split(command)[2]
         if subcommand == "train":
-            outputs[subcommand] = run_readme(command, work, FEW_STEPS).stderr  # progress and summary
+            outputs[subcommand] = run_documented(command, work, FEW_STEPS).stderr  # progress and summary
         else:
             outputs[subcommand] = run_any(command, work)
     return work, outputs
@@ -201,7 +208,8 @@ def test_quickstart_runs_end_to_end(quickstart: QuickStart) -> None:
     work, outputs = quickstart
     assert [shlex.split(c)[2] for c in quickstart_commands()] == ["prepare", "train", "sample", "plot"]
     manifest = json.loads((work / "data" / "shakespeare" / "manifest.json").read_text())
-    assert manifest["tokenizer"] == "gpt2" and set(manifest["splits"]) == {"train", "val"}
+    assert manifest["tokenizer"] == "gpt2" and manifest["tokens"] == {"train": 304_226, "val": 33_800}
+    assert manifest["source"]["dataset"].endswith("tinyshakespeare.txt")  # the bundled text: no --dataset given
 
     run = work / "runs" / "tiny-cpu"
     for name in ("config.yaml", "metrics.jsonl", "accelerate_env.txt", "model.safetensors", "model_config.json"):
@@ -220,9 +228,10 @@ def test_quickstart_runs_end_to_end(quickstart: QuickStart) -> None:
 
 
 @pytest.mark.slow
-def test_readme_eval_on_local_hellaswag(quickstart: QuickStart) -> None:
+def test_eval_on_local_hellaswag(quickstart: QuickStart) -> None:
     work, _ = quickstart
-    out = run_readme(readme_command("python run.py eval", "path/to/hellaswag_val.jsonl"), work).stdout
+    command = doc_command("docs/evaluation.md", "python run.py eval", "path/to/hellaswag_val.jsonl")
+    out = run_documented(command, work).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["total"] == 50 and result["num_processes"] == 1
     assert 0 <= result["acc_norm"] <= 1 and result["correct_norm"] == round(result["acc_norm"] * 50)
@@ -230,50 +239,50 @@ def test_readme_eval_on_local_hellaswag(quickstart: QuickStart) -> None:
 
 
 @pytest.mark.slow
-def test_readme_sample_with_seed(quickstart: QuickStart) -> None:
+def test_sample_with_seed(quickstart: QuickStart) -> None:
     work, _ = quickstart
-    out = run_any(readme_command("python run.py sample", "--num_samples 2"), work)
+    out = run_any(doc_command("docs/evaluation.md", "python run.py sample", "--num_samples 2"), work)
     samples = out.split("\n" + "-" * 40 + "\n")
     assert len(samples) == 2 and all(s.startswith("First Citizen:") for s in samples)
 
 
 @pytest.mark.slow
-def test_readme_export_loads_in_transformers(
+def test_export_loads_in_transformers(
     quickstart: QuickStart, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     work, _ = quickstart
-    out = run_any(readme_command("python run.py export --checkpoint runs/tiny-cpu --out_dir exports/tiny-cpu"), work)
+    command = "python run.py export --checkpoint runs/tiny-cpu --out_dir exports/tiny-cpu"
+    out = run_any(doc_command("docs/export.md", command), work)
     assert "exports/tiny-cpu" in out
-    (snippet,) = [body for _, body in code_blocks(README.read_text(), "python") if "from_pretrained" in body]
     monkeypatch.chdir(work)
-    exec(compile(snippet, "README.md (python block)", "exec"), {})
+    exec(compile(python_snippet("docs/export.md", "from_pretrained"), "docs/export.md (python block)", "exec"), {})
     assert capsys.readouterr().out.startswith("ROMEO:")
 
 
 @pytest.mark.slow
-def test_readme_resume_continues_the_run(quickstart: QuickStart, tmp_path: Path) -> None:
+def test_resume_continues_the_run(quickstart: QuickStart, tmp_path: Path) -> None:
     """The resume command on a copy of the quick-start run: it picks up at step 3 and logs each step once."""
     work, _ = quickstart
     (tmp_path / "data").symlink_to(work / "data", target_is_directory=True)
     shutil.copytree(work / "runs" / "tiny-cpu", tmp_path / "runs" / "tiny-cpu")
-    resume = readme_command("python run.py train --config tiny-cpu --resume")
-    out = run_readme(resume, tmp_path, ["--max_steps", "4"]).stderr
+    resume = doc_command("docs/checkpoints.md", "python run.py train --config tiny-cpu --resume")
+    out = run_documented(resume, tmp_path, ["--max_steps", "4"]).stderr
     assert "finished at step 4/4" in out
     assert [r["step"] for r in metrics(tmp_path / "runs" / "tiny-cpu")] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
 def test_two_cpu_processes_train_like_one(quickstart: QuickStart) -> None:
-    """The README's 2-process CPU launch (cpu_2proc.yaml), then its plot comparing it with the quick start."""
+    """The 2-process CPU launch (cpu_2proc.yaml), then the plot comparing it with the quick start."""
     work, _ = quickstart
     launch = "OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_2proc.yaml run.py"
-    out = run_readme(readme_command(launch, "--config tiny-cpu"), work, FEW_STEPS).stderr
+    out = run_documented(doc_command("docs/distributed.md", launch, "--config tiny-cpu"), work, FEW_STEPS).stderr
     assert "2 process(es)" in out and "finished at step 3/3" in out
     one, two = metrics(work / "runs" / "tiny-cpu"), metrics(work / "runs" / "tiny-cpu-2proc")
     assert [r["lr"] for r in two] == [r["lr"] for r in one]
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-4)
 
-    out = run_any(readme_command("python run.py plot", "compare.png"), work)
+    out = run_any(doc_command("docs/evaluation.md", "python run.py plot", "compare.png"), work)
     assert out == "wrote compare.png (2 runs, up to step 3)\n"
     assert (work / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -285,11 +294,11 @@ def test_accelerate_config_default(tmp_path: Path, quickstart: QuickStart) -> No
     The run directory's accelerate_env.txt is `accelerate env`'s report, so it shows the config that was read."""
     work, _ = quickstart
     (tmp_path / "data").symlink_to(work / "data", target_is_directory=True)
-    run_readme(readme_command("accelerate config default"), tmp_path)
+    run_documented(doc_command("docs/distributed.md", "accelerate config default"), tmp_path)
     assert (tmp_path / "hf_home" / "accelerate" / "default_config.yaml").is_file()
-    # The README launches gpt2-124m (GPUs, FineWeb); the same launch on CPU trains the tiny preset.
-    launch = readme_command("accelerate launch run.py train").replace("gpt2-124m", "tiny-cpu")
-    out = run_readme(launch, tmp_path, ["--max_steps", "1", "--eval_every", "0"]).stderr
+    # The page launches gpt2-124m (GPUs, FineWeb); the same launch on CPU trains the tiny preset.
+    launch = doc_command("docs/distributed.md", "accelerate launch run.py train").replace("gpt2-124m", "tiny-cpu")
+    out = run_documented(launch, tmp_path, ["--max_steps", "1", "--eval_every", "0"]).stderr
     assert "finished at step 1/1" in out and "1 process(es) on cpu" in out
     report = (tmp_path / "runs" / "tiny-cpu" / "accelerate_env.txt").read_text()
     assert "- `Accelerate` default config:" in report and "use_cpu: True" in report
@@ -343,7 +352,7 @@ def expand_shell_vars(command: str) -> str:
 
 
 def check_bench_script(script: str, args: list[str]) -> None:
-    """A benchmark script exists and its own parser takes every flag the README passes it."""
+    """A benchmark script exists and its own parser takes every flag the page passes it."""
     assert (REPO / script).is_file(), f"no {script}"
     proc = subprocess.run(
         [sys.executable, script, "--help"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120
@@ -353,8 +362,16 @@ def check_bench_script(script: str, args: list[str]) -> None:
         assert re.search(rf"{re.escape(flag)}\b", proc.stdout), f"{script} has no {flag}"
 
 
+def make_recipe(target: str) -> list[str]:
+    """The command lines of a Makefile target, without make's `@` (do not echo)."""
+    text = (REPO / "Makefile").read_text()
+    m = re.search(rf"^{re.escape(target)}:.*\n((?:\t.*\n)+)", text, re.M)
+    assert m, f"no make target '{target}'"
+    return [line.strip().removeprefix("@") for line in m.group(1).splitlines()]
+
+
 def check_command(command: str) -> None:
-    """Raise AssertionError if `command` would not work as the README shows it (as far as a CPU offline can tell)."""
+    """Raise AssertionError if `command` would not work as the manual shows it (as far as a CPU offline can tell)."""
     if command in OTHER_COMMANDS:
         return
     words = shlex.split(expand_shell_vars(command))
@@ -376,19 +393,26 @@ def check_command(command: str) -> None:
             check_bench_script(words[1], words[2:])
         elif words[0] == "export":
             assert re.fullmatch(r"\w+=\S+", words[1])
+        elif words[0] == "make":  # what each target runs is tested below (the quick start, the test command)
+            assert len(words) == 2 and make_recipe(words[1])
         else:
-            raise AssertionError(f"README command not checked by any test: {command}")
+            raise AssertionError(f"command not checked by any test: {command}")
     except SystemExit as e:  # argparse's way of rejecting arguments
-        raise AssertionError(f"README command does not parse: {command}") from e
+        raise AssertionError(f"command does not parse: {command}") from e
     except UserError as e:  # an unknown key, preset or value
-        raise AssertionError(f"README command is stale: {command}: {e}") from e
+        raise AssertionError(f"command is stale: {command}: {e}") from e
 
 
-def test_every_readme_command_is_checked() -> None:
-    commands = readme_commands()
-    assert len(commands) > 25  # the parser found the README's blocks
-    for command in commands:
-        check_command(command)
+def test_every_command_of_the_manual_is_checked() -> None:
+    commands = {page.name: page_commands(page) for page in PAGES}
+    assert sum(map(len, commands.values())) > 40  # the parser found the pages' blocks
+    assert {"README.md", "distributed.md", "checkpoints.md", "data.md"} <= {n for n, c in commands.items() if c}
+    for page, found in commands.items():
+        for command in found:
+            try:
+                check_command(command)
+            except AssertionError as e:
+                raise AssertionError(f"{page}: {e}") from e
 
 
 @pytest.mark.parametrize(
@@ -410,7 +434,8 @@ def test_every_readme_command_is_checked() -> None:
         ("python run.py new-command", "does not parse"),
         ("python bench/train_throughput.py --find_max_batches 124m", "has no --find_max_batches"),
         ("python bench/benchmark.py", "no bench/benchmark.py"),
-        ("make test", "not checked by any test"),
+        ("make demo", "no make target 'demo'"),
+        ("cmake ..", "not checked by any test"),
     ],
 )
 def test_command_checker_catches_stale_commands(command: str, problem: str) -> None:
@@ -419,16 +444,76 @@ def test_command_checker_catches_stale_commands(command: str, problem: str) -> N
         check_command(command)
 
 
-def test_test_command_is_what_ci_runs() -> None:
-    """The README's test block is what `.ci/run` does (CI calls python3, the README python)."""
+def section(text: str, heading: str) -> str:
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def test_the_two_commands_are_the_readmes_first_and_ci_calls_the_second() -> None:
+    """`make quickstart` runs the README's quick start as written; `make test` sets up as the README's test block
+    does and runs its test command, and `.ci/run` calls `make test` itself."""
     text = README.read_text()
-    tests_section = text[text.index("## Tests") :]
-    blocks = [block_commands(body) for _, body in code_blocks(tests_section, "bash")]
+    assert [block_commands(b) for _, b in code_blocks(section(text, "Two commands"), "bash")][0] == [
+        "make quickstart",
+        "make test",
+    ]
+    quickstart = [line.replace("$(BIN)/python ", "python ") for line in make_recipe("quickstart")]
+    assert [line.replace(" $(TRAIN_ARGS)", "") for line in quickstart] == quickstart_commands()
+    assert "$(TRAIN_ARGS)" in quickstart[1]  # the tests' fewer steps go to train alone
+
+    blocks = [block_commands(body) for _, body in code_blocks(section(text, "Tests"), "bash")]
     assert blocks[0] == ["pip install torch==2.13.0", 'pip install -e ".[dev,plot]"', "python -m pytest -q"]
     assert blocks[1] == ['python -m pytest -q -m "not slow"']  # the fast subset, named beside the full suite
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^TORCH \?= torch==2\.13\.0$", makefile, re.M)
+    assert re.search(r"^EXTRAS \?= dev,plot$", makefile, re.M)
+    setup = make_recipe("setup")
+    assert any(line.endswith("-m pip install --quiet $(TORCH)") for line in setup)
+    assert setup[-1] == '$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"'
+    assert make_recipe("test") == ["$(BIN)/python -m pytest -q"]
+    assert re.search(r"^test: setup$", makefile, re.M)
     ci = (REPO / ".ci" / "run").read_text()
-    assert re.search(r"pip install .*torch==2\.13\.0", ci)
-    assert re.search(r"pip install .*-e \"\.\[dev,plot\]\"", ci)
-    assert re.search(r"^python3? -m pytest -q$", ci, re.M)
+    assert re.search(r"^make test$", ci, re.M)
     assert "TIKTOKEN_CACHE_DIR" in ci and "TIKTOKEN_CACHE_DIR" in text
     assert os.access(REPO / ".ci" / "run", os.X_OK)
+
+
+@pytest.mark.slow
+def test_make_quickstart_on_a_fresh_copy(tmp_path: Path) -> None:
+    """`make quickstart` in a copy of the repository's files, as a fresh clone has them (run dirs, data and venvs
+    left out): it sets up a virtual environment and runs the quick start (3 steps). The environment is a new one
+    that sees this one's packages through a .pth file, so setting up installs accel_gpt there (editable, from the
+    copy) without downloading torch, and leaves this environment's own install alone."""
+    if not (REPO / ".git").exists() or shutil.which("make") is None:
+        pytest.skip("needs a git checkout and make")
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.decode()
+    copy = tmp_path / "accel_gpt"
+    for name in filter(None, files.split("\0")):
+        if (REPO / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, copy / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site,) = venv.glob("lib/python*/site-packages")
+    import site as site_module
+
+    (site / "outer.pth").write_text("\n".join(site_module.getsitepackages()) + "\n")
+    env = {k: v for k, v in subprocess_env().items() if k not in ("VIRTUAL_ENV", "ACCELERATE_USE_CPU")}
+    proc = subprocess.run(
+        ["make", "quickstart", f"VENV={venv}", "TRAIN_ARGS=" + " ".join(FEW_STEPS)],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert "finished at step 3/3" in proc.stderr
+    assert "\nROMEO:" in proc.stdout and "wrote runs/tiny-cpu.png (1 run, up to step 3)" in proc.stdout
+    assert (copy / "data" / "shakespeare" / "manifest.json").is_file()
+    assert (copy / "runs" / "tiny-cpu" / "model.safetensors").is_file()
+    assert (copy / "runs" / "tiny-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(site.glob("__editable__*accel_gpt*")), "setting up did not install accel_gpt into the new venv"

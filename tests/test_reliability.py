@@ -392,7 +392,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     args = ("--max_steps", "4", "--save_every", "1", "--keep_checkpoints", "2")
     proc = train(data, out, *args, processes=processes, check=False)
     assert proc.returncode != 0 and f'File "{REPO / "accel_gpt"}' not in proc.stderr, proc.stderr[-3000:]
-    assert processes == 2 or "Traceback" not in proc.stderr  # torchrun's own ChildFailedError page: see the README
+    assert processes == 2 or "Traceback" not in proc.stderr  # torchrun's own page: docs/troubleshooting.md
     (line,) = errors(proc.stderr)
     assert re.fullmatch(
         rf"error: cannot save checkpoint {ckpt(out, 2)}: {NO_SPACE}; the run stopped after step 2 and the previous "
@@ -677,8 +677,8 @@ def test_a_second_ctrl_c_aborts_without_saving(data: Path, tmp_path: Path) -> No
 
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_under_accelerate_launch(data: Path, tmp_path: Path, presses: int) -> None:
-    """What the README says a user sees: Ctrl-C reaches the launcher alone; it forwards SIGINT, the workers finish
-    the step, save and exit 0, and torchrun still exits 1 with a SignalException traceback. A second Ctrl-C makes
+    """What docs/checkpoints.md says a user sees: Ctrl-C reaches the launcher alone; it forwards SIGINT, the workers
+    finish the step, save and exit 0, and torchrun still exits 1 with a SignalException traceback. A second Ctrl-C makes
     torchrun send SIGTERM, which after a SIGINT aborts: nothing more is saved. With log_every 5 the stop after step 4
     shows that a SIGINT, like a SIGTERM, does not wait for the next log step."""
     out = tmp_path / "run"

@@ -22,6 +22,9 @@ from accel_gpt.errors import DataError, UserError
 from accel_gpt.files import replacing
 
 READ_ROWS = 1024  # rows per Arrow batch read from the dataset
+# Tiny Shakespeare (char-rnn's 1.1 MB corpus, public domain), shipped so that a first run needs no download and no
+# file of the user's: the text of an unset --dataset.
+BUNDLED_TEXT = Path(__file__).with_name("tinyshakespeare.txt")
 
 _LOADERS = {
     ".txt": "text",
@@ -78,7 +81,10 @@ def _file_record(path: Path, base: Path) -> dict[str, Any]:
 
 
 def resolve_source(dataset: str) -> Source:
-    """Classify --dataset: URL, save_to_disk folder, local files, else a hub id (a missing local path is an error)."""
+    """Classify --dataset: URL, save_to_disk folder, local files, else a hub id (a missing local path is an error);
+    unset, the bundled tiny Shakespeare."""
+    if not dataset:
+        return Source("files", str(BUNDLED_TEXT), "text", (str(BUNDLED_TEXT),))
     if re.match(r"https?://", dataset):
         return Source("url", dataset, _loader_for(urllib.parse.urlparse(dataset).path) or "text", (dataset,))
     path = Path(dataset).expanduser()
