@@ -3,8 +3,8 @@
 #   make test         set up, then run the whole test suite (what CI runs)
 # Setting up installs torch and accel_gpt (editable, with the dev and plot extras) into VENV: the active virtual
 # environment, else .venv in this folder (made when missing). TORCH is what `pip install` gets when VENV has no
-# torch yet: the CPU machines' pinned version by default; on a GPU machine name the build for your CUDA, e.g.
-#   make quickstart TORCH="torch --index-url https://download.pytorch.org/whl/cu128"
+# torch yet (the version CI pins by default); to choose the build, name it, e.g. CPU only:
+#   make quickstart TORCH="torch --index-url https://download.pytorch.org/whl/cpu"
 # Offline, tiktoken's GPT-2 files must already be in TIKTOKEN_CACHE_DIR (see the README).
 
 PYTHON ?= python3
