@@ -75,8 +75,9 @@ COMMANDS = {
     "export": Command(
         ExportConfig,
         "accel_gpt.export:run_export",
-        "write a transformers GPT2LMHeadModel folder (weights, tokenizer, model card); --push_to_hub uploads it",
-        "Write a folder that transformers' GPT2LMHeadModel.from_pretrained and AutoTokenizer.from_pretrained "
+        "write a transformers model folder (weights, tokenizer, model card); --push_to_hub uploads it",
+        "Write a folder that transformers' from_pretrained loads offline as a GPT2LMHeadModel (or, for --arch "
+        "nanochat, a NanoChatForCausalLM), and AutoTokenizer.from_pretrained "
         "load offline, with a model card (README.md) of how the model was trained; --push_to_hub REPO_ID then "
         "uploads it to the Hugging Face Hub (models trained with the char tokenizer cannot be exported).",
     ),
@@ -166,7 +167,8 @@ def build_parser(only: str | None = None, defaults: dict[str, Any] | None = None
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         positionals = [f.name.upper().removesuffix("S") for f in fields(command.config) if f.metadata["positional"]]
-        usage = " ".join(["%(prog)s", *(f"{p} [{p} ...]" for p in positionals), "[--config FILE_OR_PRESET]"])
+        config = "[--config FILE_OR_PRESET]" if preset_names(command.config) else "[--config FILE]"
+        usage = " ".join(["%(prog)s", *(f"{p} [{p} ...]" for p in positionals), config])
         p = sub.add_parser(
             name,
             usage=usage + " [--FIELD VALUE ...]",
@@ -191,7 +193,8 @@ def _add_fields(p: argparse.ArgumentParser, cls: type[Config], config_flags: tup
     for f in fields(cls):
         meta, kind = f.metadata, hints[f.name]
         if f.name == "config":
-            p.add_argument(*config_flags, dest="config", metavar="FILE_OR_PRESET", help=meta["help"])
+            metavar = "FILE_OR_PRESET" if preset_names(cls) else "FILE"  # eval, sample, export, plot: no presets
+            p.add_argument(*config_flags, dest="config", metavar=metavar, help=meta["help"])
             continue
         default = preset.get(f.name, f.default if f.default is not MISSING else f.default_factory())
         if meta["positional"]:

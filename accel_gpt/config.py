@@ -43,7 +43,7 @@ class Config:
     # Pairs of fields that set the same thing (a new name, then the former one): a layer that gives one of them
     # replaces what an earlier layer gave for either.
     same_setting: ClassVar[tuple[tuple[str, str], ...]] = ()
-    config: str = option("", "a YAML file of these settings, or the name of a preset")
+    config: str = option("", "a YAML file of these settings (train and prepare: or the name of a preset)")
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -292,7 +292,7 @@ class TrainConfig(Config):
     # optimization
     total_batch_size: int = option(524_288, "tokens per optimizer step, all processes together (2**19)")
     micro_batch_size: int = option(16, "sequences per process per forward pass")
-    max_steps: int = option(19_073, "optimizer steps to train (10B tokens / 524,288 per step)")
+    max_steps: int = option(19_073, "optimizer steps to train (the default: 10B tokens at 524,288 per step)")
     learning_rate: float = option(6e-4, "peak learning rate, reached after warmup_steps")
     min_lr_ratio: float = option(0.1, "the floor: the schedule reaches min_lr_ratio * learning_rate at its horizon")
     warmup_steps: int = option(715, "steps of linear warm-up from 0")

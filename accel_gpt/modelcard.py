@@ -177,7 +177,7 @@ def model_card(weights: str | Path, card: ModelCard, n_params: int, license: str
     parts = [
         f"---\n{yaml.safe_dump(meta, sort_keys=False)}---",
         f"# {title}",
-        f"{ARCHITECTURES[m.arch]} ({n_params / 1e6:.1f}M parameters) trained with accel_gpt: "
+        f"{ARCHITECTURES[m.arch]}, {n_params / 1e6:.1f}M parameters) trained with accel_gpt: "
         f"{m.n_layer} layers, {m.n_head} attention heads{_kv_heads(m)}, a {m.n_embd}-wide residual stream and a "
         f"{m.seq_len}-token context, with GPT-2's tokenizer (50,257 tokens; `<|endoftext|>`, id 50256, separates "
         "documents).",

@@ -46,11 +46,11 @@ OTHER_COMMANDS = {
     "accelerate config default": "test_accelerate_config_default",
     "accelerate env": "test_accelerate_config_default (the trainer saves its report as accelerate_env.txt)",
     "tensorboard --logdir runs/tiny-cpu/logs": "TensorBoard's own CLI (the tensorboard extra)",
-    "python -m pytest -q": "the CI step (test_test_command_is_what_ci_runs)",
-    'python -m pytest -q -m "not slow"': "the fast subset (test_test_command_is_what_ci_runs)",
+    "python -m pytest -q": "what `make test` runs (test_the_two_commands_are_the_readmes_first_and_ci_calls_...)",
+    'python -m pytest -q -m "not slow"': "the fast subset (test_the_two_commands_are_the_readmes_first_and_ci_...)",
     "python3 -m venv .venv": "the standard library's venv",
     "source .venv/bin/activate": "the shell's source of the venv",
-    "pip install torch==2.13.0": "the CI step (test_test_command_is_what_ci_runs)",
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": "torch's CPU build (pytorch.org)",
     'export MAIN_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': "SLURM: the first node's name",
     'pip install "lm_eval[hf]>=0.4.13"': "lm-evaluation-harness, the version measured in bench/RESULTS.md",
     "lm_eval --model hf --model_args pretrained=exports/tiny-cpu-128 --tasks hellaswag": (
@@ -462,8 +462,10 @@ def test_the_two_commands_are_the_readmes_first_and_ci_calls_the_second() -> Non
     assert [line.replace(" $(TRAIN_ARGS)", "") for line in quickstart] == quickstart_commands()
     assert "$(TRAIN_ARGS)" in quickstart[1]  # the tests' fewer steps go to train alone
 
+    by_hand = [block_commands(b) for _, b in code_blocks(section(text, "The same by hand"), "bash")][0]
+    assert by_hand[-1] == 'pip install -e ".[dev,plot]"'  # the extras that setting up installs
     blocks = [block_commands(body) for _, body in code_blocks(section(text, "Tests"), "bash")]
-    assert blocks[0] == ["pip install torch==2.13.0", 'pip install -e ".[dev,plot]"', "python -m pytest -q"]
+    assert blocks[0] == ["python -m pytest -q"]  # by hand, what `make test` runs
     assert blocks[1] == ['python -m pytest -q -m "not slow"']  # the fast subset, named beside the full suite
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^TORCH \?= torch==2\.13\.0$", makefile, re.M)
