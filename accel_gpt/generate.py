@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from accel_gpt.config import SampleConfig
 from accel_gpt.errors import UserError
@@ -37,6 +38,7 @@ def generate(
     use_cache: bool = True,
     stop_token: int | None = None,
     stop_early: bool = True,
+    progress: bool = False,
 ) -> torch.Tensor:
     """(B, T) prompt ids -> (B, T + max_new_tokens): the prompt followed by the generated tokens.
 
@@ -47,10 +49,13 @@ def generate(
     `stop_token`: a row that draws it is finished, and its later positions repeat it. The finished rows still take
     part in every draw, so each row's tokens are those of a run without `stop_token` up to its first one. With
     `stop_early` the loop ends once every row is finished (fewer than `max_new_tokens` columns then).
+    `progress`: a bar of the tokens drawn on stderr, in a terminal only, cleared at the end.
     """
     cache = KVCache(cfg.n_layer, cfg.seq_len) if use_cache else None
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+    bar = tqdm(total=max_new_tokens, desc="sample", unit="tok", leave=False, disable=None if progress else True)
     for _ in range(max_new_tokens):
+        bar.update()
         if cache is not None and 0 < cache.length < cfg.seq_len:
             logits, _ = model(idx[:, -1:], cache=cache)  # only the newest token; the rest is cached
         else:  # no cache, an empty one, or a full one: the window slides, positions shift, start again
@@ -72,6 +77,7 @@ def generate(
         idx = torch.cat([idx, next_id], dim=1)
         if stop_token is not None and stop_early and bool(finished.all()):
             break
+    bar.close()
     return idx
 
 
@@ -100,10 +106,11 @@ def sample_ids(
     use_cache: bool = True,
     stop_at_eot: bool = True,
     stop_early: bool = True,
+    progress: bool = False,
 ) -> list[list[int]]:
     """The token ids `sample_texts` decodes: each row is the prompt's ids and then the new ones. With `stop_at_eot`
     a row ends with the first end-of-text the model wrote (when it wrote one); `stop_early=False` still runs all
-    `max_new_tokens` forward passes (the training samples, see the module)."""
+    `max_new_tokens` forward passes (the training samples, see the module); `progress` as `generate`'s."""
     if temperature < 0:
         raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 0:
@@ -117,7 +124,8 @@ def sample_ids(
     was_training = model.training
     model.eval()
     stop = tokenizer.eot_token if stop_at_eot else None
-    out = generate(model, cfg, idx, max_new_tokens, temperature, top_k, generator, use_cache, stop, stop_early)
+    args = (temperature, top_k, generator, use_cache, stop, stop_early, progress)
+    out = generate(model, cfg, idx, max_new_tokens, *args)
     model.train(was_training)
     rows = out.tolist()
     if stop is None:
@@ -204,6 +212,7 @@ def run_sample(cfg: SampleConfig) -> None:
         device,
         cfg.num_samples,
         stop_at_eot=cfg.stop_at_eot,
+        progress=True,
     )
     prompt_len = len(encode_prompt(tokenizer, cfg.prompt))
     warning = context_warning(rows, prompt_len, card.model.seq_len)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import python_cmd, run_cmd
+from conftest import REPO, python_cmd, run_cmd, subprocess_env
 
 from accel_gpt.cli import main as cli_main
 from accel_gpt.cli import parse
@@ -273,3 +275,40 @@ def test_training_samples_stop_at_end_of_text(monkeypatch) -> None:
         assert evaluator._sample() == "Hello"
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_sample_command_shows_a_progress_bar_in_a_terminal_only(checkpoint: Path) -> None:
+    """A long sample on a CPU takes minutes: in a terminal, stderr shows the tokens drawn so far (tqdm, cleared at
+    the end); into a pipe or file, nothing (tests and scripts read a clean stderr)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    argv = ["sample", "--checkpoint", str(checkpoint), "--prompt", "Hello", "--device", "cpu"]
+    argv += ["--max_new_tokens", "40", "--stop_at_eot", "false"]
+    main, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a new pty is 0 columns wide
+    shown = bytearray()
+
+    def read_terminal() -> None:  # while the sample runs: Linux drops what is unread once the terminal closes
+        while True:
+            try:
+                chunk = os.read(main, 4096)
+            except OSError:  # EIO: the terminal's other end is closed
+                return
+            if not chunk:
+                return
+            shown.extend(chunk)
+
+    reader = threading.Thread(target=read_terminal)
+    reader.start()
+    proc = subprocess.run(python_cmd(*argv), cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=terminal)
+    os.close(terminal)
+    reader.join(timeout=30)
+    os.close(main)
+    assert proc.returncode == 0 and proc.stdout.startswith(b"Hello")
+    assert b"sample:" in shown and b"/40" in shown, shown
+    piped = run_cmd(python_cmd(*argv))
+    assert piped.stderr == "" and piped.stdout.encode() == proc.stdout
