@@ -55,7 +55,6 @@ def generate(
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     bar = tqdm(total=max_new_tokens, desc="sample", unit="tok", leave=False, disable=None if progress else True)
     for _ in range(max_new_tokens):
-        bar.update()
         if cache is not None and 0 < cache.length < cfg.seq_len:
             logits, _ = model(idx[:, -1:], cache=cache)  # only the newest token; the rest is cached
         else:  # no cache, an empty one, or a full one: the window slides, positions shift, start again
@@ -75,6 +74,7 @@ def generate(
             next_id = next_id.masked_fill(finished[:, None], stop_token)
             finished |= next_id[:, 0] == stop_token
         idx = torch.cat([idx, next_id], dim=1)
+        bar.update()
         if stop_token is not None and stop_early and bool(finished.all()):
             break
     bar.close()

@@ -355,7 +355,7 @@ def test_the_char_preset_prepares_the_bundled_text_offline(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("preset", ["tinyshakespeare", "shakespeare-char"])
 def test_presets_on_the_local_file(preset: str, tmp_path: Path, shakespeare_path: Path, tok) -> None:
-    """Offline, --dataset replaces only the preset's URL: the file is one document, its first tokens are val."""
+    """--dataset replaces only the preset's text (the bundled file): one document, its first tokens are val."""
     text = shakespeare_path.read_text()
     out = tmp_path / "out"
     cfg = cli_config(["--preset", preset, "--dataset", str(shakespeare_path), "--out_dir", str(out)])
