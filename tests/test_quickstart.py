@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -499,10 +500,8 @@ def test_make_quickstart_on_a_fresh_copy(tmp_path: Path) -> None:
             shutil.copy2(REPO / name, copy / name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    (site,) = venv.glob("lib/python*/site-packages")
-    import site as site_module
-
-    (site / "outer.pth").write_text("\n".join(site_module.getsitepackages()) + "\n")
+    (site_packages,) = venv.glob("lib/python*/site-packages")
+    (site_packages / "outer.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     env = {k: v for k, v in subprocess_env().items() if k not in ("VIRTUAL_ENV", "ACCELERATE_USE_CPU")}
     proc = subprocess.run(
         ["make", "quickstart", f"VENV={venv}", "TRAIN_ARGS=" + " ".join(FEW_STEPS)],
@@ -518,4 +517,4 @@ def test_make_quickstart_on_a_fresh_copy(tmp_path: Path) -> None:
     assert (copy / "data" / "shakespeare" / "manifest.json").is_file()
     assert (copy / "runs" / "tiny-cpu" / "model.safetensors").is_file()
     assert (copy / "runs" / "tiny-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert list(site.glob("__editable__*accel_gpt*")), "setting up did not install accel_gpt into the new venv"
+    assert list(site_packages.glob("__editable__*accel_gpt*")), "setting up did not install accel_gpt into the venv"
