@@ -22,9 +22,9 @@ from pathlib import Path
 from accel_gpt.config import ExportConfig
 from accel_gpt.errors import UserError
 from accel_gpt.files import make_shareable, replacing
-from accel_gpt.hf import generation_config, gpt2_vocab_and_merges, to_transformers
+from accel_gpt.hf import generation_config, to_transformers
 from accel_gpt.modelcard import CARD, model_card
-from accel_gpt.tokenizer import GPT2_VOCAB
+from accel_gpt.tokenizer import GPT2_VOCAB, gpt2_vocab_and_merges
 from accel_gpt.weights import load_model
 
 

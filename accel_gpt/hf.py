@@ -1,5 +1,5 @@
 """transformers interop: our GPT <-> `GPT2LMHeadModel` (arch gpt2) or `NanoChatForCausalLM` (arch nanochat), either
-from a folder or the hub, and GPT-2's tokenizer files.
+from a folder or the hub.
 
 GPT-2: both models use GPT-2's parameter names, so converting is a key-for-key copy with one twist: transformers'
 GPT-2 keeps its projections in `Conv1D`, whose weight is stored (in, out), while ours are `nn.Linear`,
@@ -9,9 +9,6 @@ NanoChat: a rename of each weight (`_NANOCHAT_KEYS`: six per block, then the emb
 norms have no weights. Two settings decide whether the logits are the same: `rms_norm_eps` must be the eps
 `F.rms_norm` uses when given none, and the rotary angles must turn the same way (ours follow the class's convention,
 so nothing is negated).
-
-GPT-2's vocab.json and merges.txt are derived from tiktoken's mergeable ranks (the same source that `prepare`
-tokenizes with), so a transformers tokenizer built from them gives tiktoken's ids.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ import torch
 
 from accel_gpt.errors import UserError
 from accel_gpt.model import GPT, RMS_EPS, GPTConfig
-from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB
+from accel_gpt.tokenizer import GPT2_EOT
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, NanoChatConfig, NanoChatForCausalLM
@@ -425,66 +422,3 @@ def _close_paths(path: str) -> str:
 def _first_line(e: Exception) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return lines[0] if lines else type(e).__name__
-
-
-# ---------------------------------------------------------------- tokenizer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, the alphabet its vocab.json and merges.txt are written in.
-
-    Bytes that are printable Latin-1 (other than space and the soft hyphen) stand for themselves; the
-    remaining 68 take the characters 256, 257, ... in byte order, so no token string holds whitespace or
-    control characters.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    others = [b for b in range(256) if b not in table]
-    table.update({b: chr(256 + i) for i, b in enumerate(others)})
-    return table
-
-
-def _merge_parts(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
-    """The two pieces BPE joins to make `token`: byte-pair encode it with the ranks below its own.
-
-    tiktoken merges the adjacent pair whose concatenation has the lowest rank, and every rank above 255
-    is one merge in order, so stopping just before `token`'s own rank leaves exactly its two halves.
-    """
-    limit = ranks[token]
-    parts = [bytes([b]) for b in token]
-    while len(parts) > 2:
-        pairs = [(ranks.get(parts[i] + parts[i + 1], limit), i) for i in range(len(parts) - 1)]
-        rank, i = min(pairs)
-        if rank >= limit:
-            break
-        parts[i : i + 2] = [parts[i] + parts[i + 1]]
-    if len(parts) != 2:
-        raise RuntimeError(f"tiktoken rank {limit} ({token!r}) is not one merge of two lower-ranked tokens")
-    return parts[0], parts[1]
-
-
-def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """vocab.json and merges.txt content of GPT-2's tokenizer, rebuilt from tiktoken's `gpt2` ranks.
-
-    A token's id is its tiktoken rank, written in the byte-to-unicode alphabet; merges are listed in rank
-    order, which is the priority transformers' BPE applies. `<|endoftext|>` is id 50,256.
-    """
-    import tiktoken
-
-    enc = tiktoken.get_encoding("gpt2")
-    ranks: dict[bytes, int] = enc._mergeable_ranks  # the public API has no accessor for the raw ranks
-    table = _bytes_to_unicode()
-
-    def text(b: bytes) -> str:
-        return "".join(table[x] for x in b)
-
-    vocab = {text(token): rank for token, rank in ranks.items()}
-    vocab.update(enc._special_tokens)
-    merges = [
-        tuple(text(p) for p in _merge_parts(token, ranks))
-        for token, _ in sorted(ranks.items(), key=lambda kv: kv[1])
-        if len(token) > 1
-    ]
-    if vocab.get("<|endoftext|>") != GPT2_EOT or len(vocab) != GPT2_VOCAB:
-        raise RuntimeError(f"tiktoken's gpt2 encoding is not GPT-2's 50,257-token vocabulary ({len(vocab)})")
-    return vocab, merges

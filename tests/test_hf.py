@@ -21,7 +21,7 @@ from accel_gpt.cli import main as cli_main
 from accel_gpt.errors import UserError
 from accel_gpt.export import export
 from accel_gpt.model import GPT, GPTConfig
-from accel_gpt.tokenizer import Tokenizer
+from accel_gpt.tokenizer import Tokenizer, gpt2_vocab_and_merges
 from accel_gpt.weights import WEIGHTS, ModelCard, load_model, save_weights
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, seq_len=16)
@@ -236,7 +236,7 @@ def test_a_mistyped_local_path_is_said_to_be_one(tmp_path, monkeypatch):
 
 def test_tokenizer_files_are_gpt2s_own():
     """Merges rebuilt from tiktoken's ranks reproduce GPT-2's published merge list (as far as it is checkable)."""
-    vocab, merges = hf.gpt2_vocab_and_merges()
+    vocab, merges = gpt2_vocab_and_merges()
     assert len(vocab) == 50_257 and len(merges) == 50_000
     assert vocab["!"] == 0 and vocab["Ġ"] == 220 and vocab["Ġthe"] == 262 and vocab["<|endoftext|>"] == 50_256
     assert merges[:3] == [("Ġ", "t"), ("Ġ", "a"), ("h", "e")]  # the first lines of GPT-2's vocab.bpe
