@@ -124,8 +124,10 @@ def sample_ids(
     was_training = model.training
     model.eval()
     stop = tokenizer.eot_token if stop_at_eot else None
-    args = (temperature, top_k, generator, use_cache, stop, stop_early, progress)
-    out = generate(model, cfg, idx, max_new_tokens, *args)
+    out = generate(
+        model, cfg, idx, max_new_tokens, temperature, top_k, generator,
+        use_cache=use_cache, stop_token=stop, stop_early=stop_early, progress=progress,
+    )  # fmt: skip
     model.train(was_training)
     rows = out.tolist()
     if stop is None:
