@@ -114,7 +114,7 @@ CHANGEABLE_FIELDS = ("learning_rate", "weight_decay", "beta1", "beta2", "grad_cl
 CHANGEABLE_FIELDS += ("lr_schedule", "schedule_steps", "decay_fraction", "max_steps")
 CHANGEABLE_FIELDS += ("spike_loss_zscore", "spike_grad_zscore", "spike_window", "dropout")
 CHANGEABLE_FIELDS += ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr_fn", "muon_ns_steps")
-CHANGEABLE_FIELDS += ("muon_momentum_warmup", "muon_momentum_start", "embedding_lr", "head_lr")
+CHANGEABLE_FIELDS += ("muon_momentum_warmup", "muon_momentum_start", "muon_ns_dtype", "embedding_lr", "head_lr")
 
 
 @dataclass

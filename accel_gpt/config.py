@@ -248,7 +248,7 @@ NANOCHAT_ONLY = {
     "embedding_lr": "one AdamW rate for the embedding (learning_rate)",
 }
 MUON_FIELDS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr_fn", "muon_momentum_warmup")
-MUON_FIELDS += ("muon_momentum_start", "muon_ns_steps")
+MUON_FIELDS += ("muon_momentum_start", "muon_ns_steps", "muon_ns_dtype")
 # torch.compile's modes; the CUDA-graph ones replay whole steps, which pays off where launches bound a step.
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 LRSchedule = Literal["cosine", "wsd", "linear", "constant"]
@@ -316,6 +316,9 @@ class TrainConfig(Config):
     muon_momentum_start: float = option(0.85, "muon: the momentum of the first step when muon_momentum_warmup > 0")
     muon_ns_steps: int | None = option(
         None, "muon: Newton-Schulz iterations per update (torch's ns_steps; unset: nanochat 4, gpt2 5, torch's)"
+    )
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = option(
+        "auto", "muon: Newton-Schulz dtype (auto: bfloat16 on bf16 matrix units, else float32; said at start)"
     )
     embedding_lr: float | None = option(None, "nanochat: AdamW peak rate of the token embedding (unset: 0.3)")
     head_lr: float | None = option(None, "nanochat: AdamW peak rate of the untied LM head (unset: 0.008)")

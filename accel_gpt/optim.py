@@ -18,6 +18,8 @@ from torch import nn
 
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError
+from accel_gpt.muon import Muon
+from accel_gpt.precision import NewtonSchulzPrecision, detect, newton_schulz_precision
 
 
 def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
@@ -48,11 +50,14 @@ def own_rate_groups(model: nn.Module, cfg: TrainConfig) -> tuple[list[dict], set
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: nn.Module, cfg: TrainConfig, device_type: str, ns_precision: NewtonSchulzPrecision | None = None
+) -> torch.optim.Optimizer:
     """AdamW over every parameter, or (`optimizer: muon`) Muon over the blocks' weight matrices and AdamW over the
     rest: embeddings, the LM head, biases and LayerNorm gains, which Muon's orthogonalized update does not suit
     (an embedding row is updated only where its token occurs; a 1-D gain has no matrix to orthogonalize).
-    nanochat's embedding and head take their own rates (`own_rate_groups`) under either optimizer."""
+    nanochat's embedding and head take their own rates (`own_rate_groups`) under either optimizer. `ns_precision`:
+    Muon's Newton-Schulz dtype (None: `muon_ns_dtype` on this device type)."""
     fused = device_type in FUSED_ADAMW_DEVICES
     own, taken = own_rate_groups(model, cfg)
     params = [p for p in model.parameters() if id(p) not in taken]  # .parameters() lists a tied wte once
@@ -61,8 +66,11 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torc
     if not hasattr(torch.optim, "Muon"):
         raise ConfigError(f"optimizer=muon needs torch.optim.Muon (torch >= 2.9); this is torch {torch.__version__}")
     matrices = {id(p) for p in model.transformer.h.parameters() if p.dim() == 2}
-    muon = torch.optim.Muon(
+    if ns_precision is None:
+        ns_precision = newton_schulz_precision(cfg.muon_ns_dtype, detect(torch.device(device_type)))
+    muon = Muon(
         [p for p in params if id(p) in matrices],
+        ns_precision,
         lr=cfg.muon_lr,
         weight_decay=cfg.muon_weight_decay,
         momentum=cfg.muon_momentum,

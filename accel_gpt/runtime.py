@@ -29,6 +29,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 
 from accel_gpt.errors import ConfigError
+from accel_gpt.precision import check_mixed_precision, detect
 from accel_gpt.workarounds import check_claims_can_hold, check_fsdp_can_run, check_group, cpu_only
 
 
@@ -65,9 +66,11 @@ def make_accelerator(
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32)
         torch.backends.cudnn.allow_tf32 = True
-    warning = launch.restart_warning() if launch is not None else None
-    if warning and accelerator.is_main_process:
-        sys.stderr.write(f"warning: {warning}\n")
+    warnings = [check_mixed_precision(accelerator.mixed_precision, detect(accelerator.device))]
+    warnings.append(launch.restart_warning() if launch is not None else None)
+    for warning in filter(None, warnings):
+        if accelerator.is_main_process:
+            sys.stderr.write(f"warning: {warning}\n")
     return accelerator
 
 

@@ -48,6 +48,7 @@ from accel_gpt.files import tensor_bytes, write_failure
 from accel_gpt.memory import MemoryBudget, budget
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
+from accel_gpt.precision import Capability, detect, newton_schulz_precision
 from accel_gpt.rundir import RunDir, same_on_every_rank
 from accel_gpt.runtime import StopSignal, make_accelerator, use_attention_backend
 from accel_gpt.shared_storage import check_shared_out_dir
@@ -161,6 +162,7 @@ class Run:
     data: dict[str, Any]  # `checkpoint.data_identity`: what a resume must train on
     memory: MemoryBudget  # the estimate said at start-up, and the measured peak said at the end
     guard: SpikeGuard | None = None  # the loss-spike guard, when on
+    capability: Capability | None = None  # the device's class: what it computes fast
 
     def __post_init__(self) -> None:
         # The prepared model's parameters, listed once: walking the modules for them at every step's clip costs more
@@ -272,7 +274,11 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
             "matrix, not the matrix; use a DDP launch (multi_gpu) or --optimizer adamw"
         )
     set_seed(cfg.seed, device_specific=True)  # from here each rank draws its own dropout masks
-    optimizer = make_optimizer(model, cfg, accelerator.device.type)
+    capability = detect(accelerator.device)
+    newton_schulz = newton_schulz_precision(cfg.muon_ns_dtype, capability) if cfg.optimizer == "muon" else None
+    if newton_schulz is not None and newton_schulz.warning:
+        logger.warning(newton_schulz.warning)
+    optimizer = make_optimizer(model, cfg, accelerator.device.type, newton_schulz)
     scheduler = make_scheduler(optimizer, cfg)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
     if cfg.compile:
@@ -283,7 +289,8 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
     if cfg.spike_loss_zscore or cfg.spike_grad_zscore:
         check_can_skip(optimizer, accelerator.scaler)
         guard = SpikeGuard(cfg, accelerator.device)
-    return Run(model, optimizer, scheduler, train_dl, sampler, card, splits, flops_per_token, data, memory, guard)
+    parts = (model, optimizer, scheduler, train_dl, sampler, card, splits, flops_per_token, data, memory)
+    return Run(*parts, guard=guard, capability=capability)
 
 
 def check_token_ids(data_dirs: list[str], manifests: list[dict[str, Any]], vocab_size: int) -> None:
@@ -307,15 +314,26 @@ def check_token_ids(data_dirs: list[str], manifests: list[dict[str, Any]], vocab
 def describe(cfg: TrainConfig, accelerator: Accelerator, run: Run) -> str:
     n_params = sum(p.numel() for p in accelerator.unwrap_model(run.model).parameters())
     optimizer = f"{cfg.arch} block | " + ("Muon + AdamW" if cfg.optimizer == "muon" else "AdamW")
+    if cfg.optimizer == "muon":
+        optimizer += f", {newton_schulz_line(run.optimizer)}"
     if cfg.dropout:
         optimizer += f", dropout {cfg.dropout}"
     return (
         f"{n_params / 1e6:.2f}M parameters | {accelerator.num_processes} process(es) on {accelerator.device.type} "
         f"({accelerator.distributed_type}, mixed precision {accelerator.mixed_precision}) | "
+        f"{accelerator.device.type} {run.capability.units} | "
         f"global batch {cfg.total_batch_size:,} tokens = {accelerator.num_processes} x "
         f"{accelerator.gradient_accumulation_steps} micro-steps x {cfg.micro_batch_size} x {cfg.seq_len} | "
         f"{optimizer} | {run.memory.line()}"
     )
+
+
+def newton_schulz_line(optimizer: torch.optim.Optimizer) -> str:
+    """What Muon's Newton-Schulz runs in, and why (the start-up line)."""
+    muon = getattr(optimizer, "optimizer", optimizer).muon  # Accelerate's wrapper holds the MuonAdamW
+    if muon.fallback:
+        return f"Newton-Schulz in torch's bfloat16 ({muon.fallback} that accel_gpt's step does not know)"
+    return muon.precision.describe()
 
 
 def save_final(cfg: TrainConfig, accelerator: Accelerator, run: Run, state: TrainState) -> str:

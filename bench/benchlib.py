@@ -216,12 +216,30 @@ def load_average() -> str:
 
 
 def header(name: str) -> str:
-    """What was measured: the accel_gpt this process imported (its path proves which checkout) and torch."""
+    """What was measured: the accel_gpt this process imported (its path proves which checkout), torch, and the CPU's
+    class (figures differ by class: docs/speed.md)."""
     import torch
 
     import accel_gpt
 
-    return f"{name}: accel_gpt from {Path(accel_gpt.__file__).parent}, torch {torch.__version__}; {load_average()}"
+    return (
+        f"{name}: accel_gpt from {Path(accel_gpt.__file__).parent}, torch {torch.__version__}; {load_average()}\n"
+        f"CPU: {cpu_class()}"
+    )
+
+
+def cpu_class() -> str:
+    """The CPU's class as accel_gpt decides by it, with the facts behind it: torch's vector level, the bf16 and AMX
+    flags, and a oneDNN cap from the environment."""
+    import torch
+
+    from accel_gpt.precision import cpu_capability
+
+    flags = {name: getattr(torch.cpu, f"_is_{name}_supported", lambda: False)() for name in ("avx512_bf16", "amx_tile")}
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    said = ", ".join(f"{name} {'yes' if has else 'no'}" for name, has in flags.items())
+    capped = f", ONEDNN_MAX_CPU_ISA={cap}" if cap else ""
+    return f"{cpu_capability().units} (get_cpu_capability {torch.backends.cpu.get_cpu_capability()}, {said}{capped})"
 
 
 if __name__ == "__main__":

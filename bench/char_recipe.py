@@ -55,7 +55,7 @@ from accel_gpt.data import shards
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.weights import load_model
 from bench import ablate
-from bench.benchlib import REPO, child_env
+from bench.benchlib import REPO, child_env, header
 from bench.peers import CPU_MALLOC
 
 VAL_CHARS = 111_540  # the shakespeare-char preset's val_tokens: nanoGPT's last 10% of 1,115,394 characters
@@ -161,6 +161,7 @@ def main() -> None:
     unknown = [side for side in chosen if side != "nanogpt" and side not in SIDES]
     if unknown:
         parser.error(f"--sides {','.join(unknown)}: not one of nanogpt, {', '.join(SIDES)}")
+    print(header("char_recipe"), flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
     data_dir = prepare(args.text, args.work)
     val = split_tokens(data_dir, "val")

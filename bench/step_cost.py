@@ -7,11 +7,14 @@ Each side is the model and optimizer alone (no trainer, data loader or logging),
     python bench/step_cost.py --sides gpt2-adamw,nanochat-adamw,gpt2-muon,nanochat-muon --rounds 3
     python bench/step_cost.py --sides nanochat-muon,nanochat-muon:torch_norm --rounds 6 --steps 150
     python bench/step_cost.py --sides nanochat-muon:ns5,nanochat-muon:ns4,nanochat-muon:ns3 --rounds 2
+    python bench/step_cost.py --sides gpt2-adamw,gpt2-muon,gpt2-muon:float32,gpt2-muon:bfloat16,gpt2-muon:torch_muon
     python bench/step_cost.py --nanogpt PATH/TO/nanoGPT --sides nanogpt,gpt2-adamw --rounds 3
 
 Sides: ARCH-OPTIMIZER (accel_gpt's GPT and its optimizer as the trainer builds them), with variants after a colon:
 `torch_norm` (nanochat's norm through `F.rms_norm` on the CPU too, instead of accel_gpt's backward), `nsN` (Muon's
-`ns_steps`); `nanogpt` (its model.py and `configure_optimizers`, from `--nanogpt DIR`). Prints the median per part.
+`ns_steps`), `float32` / `bfloat16` (`muon_ns_dtype`; unset: auto), `torch_muon` (torch.optim.Muon's own step, bf16
+and one matrix at a time, instead of accel_gpt's); `nanogpt` (its model.py and `configure_optimizers`, from
+`--nanogpt DIR`). Prints the median per part.
 """
 
 # ruff: noqa: E402 (the repo root goes on sys.path before accel_gpt is imported)
@@ -27,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.benchlib import REPO, child_env
+from bench.benchlib import REPO, child_env, header
 from bench.peers import CPU_MALLOC
 
 PARTS = ("fwd_bwd", "clip", "step")
@@ -61,6 +64,12 @@ def build(side: str, nanogpt: str | None):
     cfg = TrainConfig(data_dir="-", arch=arch, optimizer=optimizer, bias=False if arch == "gpt2" else None, **shape)
     if variant.startswith("ns"):
         cfg.muon_ns_steps = int(variant[2:])
+    if variant in ("float32", "bfloat16"):
+        cfg.muon_ns_dtype = variant
+    if variant == "torch_muon":
+        import accel_gpt.optim
+
+        accel_gpt.optim.Muon = lambda params, precision, **options: torch.optim.Muon(params, **options)
     model = M.GPT(M.GPTConfig(**cfg.model_settings()))
     opt = make_optimizer(model, cfg, "cpu")
     return model, opt, make_scheduler(opt, cfg)
@@ -103,6 +112,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child, args.steps, args.nanogpt)))
         return
+    print(header("step_cost"))
     sides = args.sides.split(",")
     runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for round_ in range(args.rounds):

@@ -322,11 +322,12 @@ def epoch_chain_runs(data: Path, out: Path) -> dict:
     return seen
 
 
-MUON = ("--optimizer", "muon")
+# Muon's Newton-Schulz in each dtype: bf16 with GPT-2's block, fp32 with nanochat's (below).
+MUON = ("--optimizer", "muon", "--muon_ns_dtype", "bfloat16")
 DROPOUT = ("--dropout", "0.2", "--bias", "false")
 # The nanochat block under Muon, its momentum still warming up at the kill (step 4 of 6): the momentum, the own-rate
 # groups of the embedding and head, and the rotary tables (rebuilt, not saved) all ride through the resume.
-NANOCHAT = ("--arch", "nanochat", "--optimizer", "muon", "--muon_momentum_warmup", "6")
+NANOCHAT = ("--arch", "nanochat", "--optimizer", "muon", "--muon_momentum_warmup", "6", "--muon_ns_dtype", "float32")
 
 
 def killed_and_resumed(processes: int, data: Path, out: Path, *extra: str) -> dict:
@@ -512,9 +513,10 @@ def test_w2_sigkill_then_sigterm_then_resume_equals_uninterrupted(runs: dict, re
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "processes"), [("muon", 1), ("dropout", 2), ("nanochat", 1)])
 def test_killed_and_resumed_equals_uninterrupted(runs: dict, name: str, processes: int) -> None:
-    """Muon + AdamW (both states in the checkpoint), dropout 0.2 without biases on 2 processes (each rank's
-    random state in the checkpoint: the resumed steps draw the masks the uninterrupted run drew), and the nanochat
-    block (`NANOCHAT`): SIGKILL during step 4, `--resume auto`, bit-identical to the run never stopped."""
+    """Muon + AdamW (both states in the checkpoint; Newton-Schulz in bf16), dropout 0.2 without biases on 2
+    processes (each rank's random state in the checkpoint: the resumed steps draw the masks the uninterrupted run
+    drew), and the nanochat block (`NANOCHAT`, Newton-Schulz in fp32): SIGKILL during step 4, `--resume auto`,
+    bit-identical to the run never stopped."""
     chain, ref = result(runs, f"{name}_chain"), result(runs, f"{name}_ref")
     assert chain["after_kill"] == ["step_00000003"]
     assert_group(chain["final"].stderr, processes)

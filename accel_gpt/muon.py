@@ -1,0 +1,100 @@
+"""torch's Muon with its Newton-Schulz in the dtype this device does fast, and same-shaped matrices as one batch.
+
+torch.optim.Muon (2.9 to at least 2.13) casts every update to bf16 before Newton-Schulz (`torch/optim/_muon.py`,
+`_zeropower_via_newtonschulz`), which is 20x slower than fp32 where bf16 is emulated (`accel_gpt.precision`), and
+orthogonalizes one matrix at a time. `Muon` is torch's class (its arguments, checks, groups and state_dict, so that a
+checkpoint holds torch's Muon state) with one `step` of its own: the same arithmetic as torch's, op for op, with the
+matrices of one shape stacked into one batched iteration in the dtype `NewtonSchulzPrecision` picks for that shape.
+In bf16 it gives torch's bits (tested). Were a torch to give its Muon an option this step does not know, the class
+falls back to torch's own step (bf16, one matrix at a time) and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from accel_gpt.precision import NewtonSchulzPrecision
+
+# The options of torch.optim.Muon this step implements (its `defaults`, torch 2.9 to 2.13).
+KNOWN_OPTIONS = {"lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"}
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon whose Newton-Schulz runs in `precision`'s dtype per shape, a batch per shape."""
+
+    def __init__(self, params: list[torch.nn.Parameter], precision: NewtonSchulzPrecision, **options) -> None:
+        super().__init__(params, **options)
+        self.precision = precision
+        unknown = set(self.defaults) - KNOWN_OPTIONS
+        # torch's own step where its Muon has changed: right, if slow
+        self.fallback = f"torch {torch.__version__}'s Muon has options {sorted(unknown)}" if unknown else None
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        if self.fallback:
+            super().step()
+            return
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._update(group, params)
+
+    def _update(self, group: dict, params: list[Tensor]) -> None:
+        """torch's `_single_tensor_muon` for one group: momentum, Newton-Schulz, decoupled decay, the update."""
+        lr, momentum = float(group["lr"]), group["momentum"]
+        grads = [p.grad for p in params]
+        for p in params:
+            if p.grad.is_sparse or torch.is_complex(p):
+                raise RuntimeError("Muon supports neither sparse gradients nor complex parameters")
+        bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad)) for p in params]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        for shape, index in same_shapes(params).items():
+            stacked = torch.stack([updates[i] for i in index])
+            dtype = self.precision.dtype_for(shape)
+            ortho = orthogonalize(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+            alpha = -adjusted_lr(lr, group["adjust_lr_fn"], shape)
+            torch._foreach_add_([params[i] for i in index], list(ortho.unbind()), alpha=alpha)
+
+
+def same_shapes(params: list[Tensor]) -> dict[torch.Size, list[int]]:
+    """The indices of `params` by shape (and device), in order: each group is orthogonalized as one batch."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        groups[(p.shape, p.device)].append(i)
+    return {shape: index for (shape, _), index in groups.items()}
+
+
+def orthogonalize(g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype):
+    """(n, rows, cols) matrices -> their quintic Newton-Schulz orthogonalizations, in `dtype`: torch's iteration
+    (`_zeropower_via_newtonschulz`), batched. A tall matrix is iterated transposed, so the Gram matrix is the small
+    side's."""
+    if steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")  # torch's limit
+    a, b, c = coefficients
+    x = g.to(dtype)
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.mT
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return x.mT if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch's per-matrix rate (`_adjust_lr`): original sqrt(max(1, rows/cols)), or match_rms_adamw's
+    0.2 * sqrt(max(rows, cols))."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr

@@ -1,0 +1,133 @@
+"""What this device computes fast, read once at start: the dtype of Muon's Newton-Schulz, and whether the launch's
+mixed precision runs on units that do it fast.
+
+Why: torch computes a bf16 matmul fast only on bf16 matrix units: CUDA compute capability >= 8.0, and CPUs with
+AVX512-BF16 or AMX (where oneDNN may use them). Elsewhere it is emulated. On a CPU capped at AVX2 (one thread, torch
+2.13), five Newton-Schulz iterations on 128x128 took 11.7 ms in bf16 against 0.6 ms in fp32, and a bf16-autocast
+forward and backward of nanoGPT's CPU recipe took 10x its fp32 time (`bench/newton_schulz.py`, bench/RESULTS.md).
+
+The decisions are pure functions of a `Capability`, so that tests can hand in any device class.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from accel_gpt.errors import UserError
+
+# oneDNN runs torch's bf16 matmuls on x86 CPUs. ONEDNN_MAX_CPU_ISA (or its former name DNNL_MAX_CPU_ISA) caps the
+# instructions it may use, in this order (oneDNN's `cpu_isa_t`; AVX10_1_512 is AVX512_CORE_FP16's newer name): a cap
+# below AVX512_CORE_BF16 leaves bf16 matmuls emulated on any CPU.
+ONEDNN_ISAS = (
+    "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16",
+    "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512_AMX_FP16",
+)  # fmt: skip
+# On a CPU with bf16 units, matrices narrower than this run Newton-Schulz in fp32 all the same: on an AVX512-BF16
+# EPYC, 64x64 took 0.26 ms in bf16 and 0.11 in fp32, 256x64 0.32 and 0.28, 128x128 0.40 and 0.65 (bench/RESULTS.md).
+CPU_BF16_MIN_SIDE = 128
+
+
+@dataclass(frozen=True)
+class Capability:
+    """One device's class, as the start-up line and the bench scripts name it."""
+
+    device: str  # torch's device type: cpu | cuda | mps | xpu ...
+    name: str  # the class: AMX | AVX512-BF16 | AVX512 | AVX2 | ... on a CPU; the GPU's name and compute capability
+    bf16_units: bool  # bf16 matrix units that torch's kernels use here
+
+    @property
+    def units(self) -> str:
+        return f"{self.name}, {'with' if self.bf16_units else 'no'} bf16 matrix units"
+
+
+def cpu_capability(env: dict[str, str] | None = None) -> Capability:
+    """This CPU's class: AMX or AVX512-BF16 where those units exist and oneDNN may use them, else torch's vector
+    level (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2, DEFAULT, ...)."""
+    env = os.environ if env is None else env
+    cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    allowed = ONEDNN_ISAS.index(cap) if cap in ONEDNN_ISAS else len(ONEDNN_ISAS)  # ALL, DEFAULT: no cap
+    mkldnn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+    cpu = torch.cpu
+    if mkldnn and _has(cpu, "_is_amx_tile_supported") and allowed >= ONEDNN_ISAS.index("AVX512_CORE_AMX"):
+        return Capability("cpu", "AMX", True)
+    if mkldnn and _has(cpu, "_is_avx512_bf16_supported") and allowed >= ONEDNN_ISAS.index("AVX512_CORE_BF16"):
+        return Capability("cpu", "AVX512-BF16", True)
+    return Capability("cpu", torch.backends.cpu.get_cpu_capability(), False)
+
+
+def _has(module: object, probe: str) -> bool:
+    """torch's own CPU feature probes (private, present since torch 2.1; a torch without one: no such unit)."""
+    check = getattr(module, probe, None)
+    return bool(check()) if check is not None else False
+
+
+def detect(device: torch.device) -> Capability:
+    """The class of the device a run computes on."""
+    if device.type == "cpu":
+        return cpu_capability()
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        name = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+        return Capability("cuda", name, (major, minor) >= (8, 0))
+    return Capability(device.type, device.type, False)  # MPS, XPU: not measured here, so fp32 where it is our choice
+
+
+@dataclass(frozen=True)
+class NewtonSchulzPrecision:
+    """The dtype Muon orthogonalizes its updates in: `dtype` for matrices whose shorter side is at least `min_side`,
+    fp32 for narrower ones. `reason`: why, for the start-up line; `warning`: a setting that will run slowly."""
+
+    dtype: torch.dtype
+    min_side: int = 0
+    reason: str = ""
+    warning: str | None = None
+
+    def dtype_for(self, shape: torch.Size | tuple[int, ...]) -> torch.dtype:
+        return self.dtype if min(shape) >= self.min_side else torch.float32
+
+    def describe(self) -> str:
+        name = str(self.dtype).removeprefix("torch.")
+        below = f", float32 under {self.min_side} wide" if self.min_side and self.dtype != torch.float32 else ""
+        return f"Newton-Schulz in {name}{below} ({self.reason})"
+
+
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def newton_schulz_precision(setting: str, capability: Capability) -> NewtonSchulzPrecision:
+    """`muon_ns_dtype`: auto is bf16 on bf16 matrix units (on a CPU from CPU_BF16_MIN_SIDE wide on), else fp32;
+    bfloat16 and float32 are taken as given, bf16 without the units with a warning."""
+    if setting != "auto":
+        warning = None
+        if setting == "bfloat16" and not capability.bf16_units:
+            warning = (
+                f"muon_ns_dtype bfloat16 on {capability.units}: its matmuls are emulated, about 20x slower than "
+                "float32 (bench/RESULTS.md); --muon_ns_dtype auto picks float32 here"
+            )
+        return NewtonSchulzPrecision(NS_DTYPES[setting], reason=f"muon_ns_dtype {setting}", warning=warning)
+    if not capability.bf16_units:
+        return NewtonSchulzPrecision(torch.float32, reason="auto: no bf16 matrix units")
+    min_side = CPU_BF16_MIN_SIDE if capability.device == "cpu" else 0
+    return NewtonSchulzPrecision(torch.bfloat16, min_side, reason="auto: bf16 matrix units")
+
+
+def check_mixed_precision(precision: str, capability: Capability) -> str | None:
+    """bf16 mixed precision where bf16 is emulated: refused on a GPU (fp16 is what such GPUs do fast), a warning on a
+    CPU (it trains, about 10x slower than fp32: measured, see the module). Returns the warning, or None."""
+    if precision != "bf16" or capability.bf16_units:
+        return None
+    if capability.device == "cuda":
+        raise UserError(
+            f"mixed_precision bf16 on {capability.name}, which has no bf16 tensor cores (compute capability 8.0 "
+            "and newer do): use fp16 (--mixed_precision fp16, or mixed_precision: fp16 in the accelerate config)"
+        )
+    if capability.device != "cpu":
+        return None
+    return (
+        f"mixed_precision bf16 on a CPU without bf16 matrix units ({capability.name}): its matmuls are emulated "
+        "there, about 10x slower than fp32 (bench/RESULTS.md); train with --mixed_precision no"
+    )
