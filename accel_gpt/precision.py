@@ -2,9 +2,10 @@
 mixed precision runs on units that do it fast.
 
 Why: torch computes a bf16 matmul fast only on bf16 matrix units: CUDA compute capability >= 8.0, and CPUs with
-AVX512-BF16 or AMX (where oneDNN may use them). Elsewhere it is emulated. On a CPU capped at AVX2 (one thread, torch
-2.13), five Newton-Schulz iterations on 128x128 took 11.7 ms in bf16 against 0.6 ms in fp32, and a bf16-autocast
-forward and backward of nanoGPT's CPU recipe took 10x its fp32 time (`bench/newton_schulz.py`, bench/RESULTS.md).
+AVX512-BF16 or AMX (where oneDNN may use them). Elsewhere it is emulated. On an AVX2-only EPYC (one thread, torch
+2.13) five Newton-Schulz iterations on 128x128 took 31 ms in bf16 against 1.6 ms in fp32; on an AVX512-BF16 EPYC with
+oneDNN capped at AVX2, 4 such matrices took 50 ms against 2.5, and a bf16-autocast forward and backward of nanoGPT's
+CPU recipe 9.6x its fp32 time (`bench/newton_schulz.py`, bench/RESULTS.md).
 
 The decisions are pure functions of a `Capability`, so that tests can hand in any device class.
 """
@@ -27,7 +28,8 @@ ONEDNN_ISAS = (
     "AVX10_1_512_AMX_FP16",
 )  # fmt: skip
 # On a CPU with bf16 units, matrices narrower than this run Newton-Schulz in fp32 all the same: on an AVX512-BF16
-# EPYC, 64x64 took 0.26 ms in bf16 and 0.11 in fp32, 256x64 0.32 and 0.28, 128x128 0.40 and 0.65 (bench/RESULTS.md).
+# EPYC one 64x64 matrix took 0.26 ms in bf16 and 0.11 in fp32 (a batch of 4: 0.34 and 0.37), while from 128 wide on
+# bf16 wins at any batch (4 x 128x128: 0.84 against 2.51; one: 0.40 against 0.65). bench/RESULTS.md.
 CPU_BF16_MIN_SIDE = 128
 
 
