@@ -18,6 +18,7 @@ from accel_gpt.precision import (
     NewtonSchulzPrecision,
     check_mixed_precision,
     cpu_capability,
+    detect,
     newton_schulz_precision,
 )
 
@@ -117,6 +118,15 @@ def test_without_onednn_or_its_probes_there_are_no_bf16_units(cpu_flags, monkeyp
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
     assert not cpu_capability({}).bf16_units
+
+
+@pytest.mark.parametrize(("capability", "bf16"), [((8, 0), True), ((9, 0), True), ((7, 5), False), ((7, 0), False)])
+def test_a_gpu_has_bf16_units_from_compute_capability_8(monkeypatch: pytest.MonkeyPatch, capability, bf16) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    got = detect(torch.device("cuda", 0))
+    assert got == Capability("cuda", f"GPU (compute capability {capability[0]}.{capability[1]})", bf16)
+    assert detect(torch.device("mps")) == Capability("mps", "mps", False)
 
 
 # ------------------------------------------------------------------------------------------ Muon's step
