@@ -62,7 +62,7 @@ def cpu_capability(env: dict[str, str] | None = None) -> Capability:
 
 
 def _has(module: object, probe: str) -> bool:
-    """torch's own CPU feature probes (private, present since torch 2.1; a torch without one: no such unit)."""
+    """torch's own CPU feature probes (private: where a torch lacks one, the unit counts as absent)."""
     check = getattr(module, probe, None)
     return bool(check()) if check is not None else False
 
