@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from accel_gpt.model import chunked_lm_loss
+from bench.benchlib import header
 
 
 def measure(rows: int, chunk: int, dtype: str, device: str) -> dict[str, float]:
@@ -76,6 +77,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--rows", str(args.rows), "--dtype", args.dtype, "--child", str(chunk)]
         results[chunk] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     full, chunked = results[0], results[args.chunk]
+    print(header("loss_memory"))
     print(f"{device}, {args.rows:,} rows x 50,304 vocab, {args.dtype}, torch {torch.__version__}")
     for name, r in (("full logits", full), (f"chunked ({args.chunk} rows)", chunked)):
         print(f"  {name:22s} peak {r['peak_bytes'] / 2**20:8.0f} MiB   {r['seconds']:6.2f} s   loss {r['loss']:.6f}")

@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.benchlib import REPO
+from bench.benchlib import REPO, header
 
 CPU_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}  # accel_gpt's own CPU setting
 
@@ -92,6 +92,7 @@ def main() -> None:
     work = args.work.resolve()
     setup(args.peers.resolve(), args.data_dir.resolve(), work)
     device = torch.cuda.get_device_name() if gpu else "cpu"
+    print(header("peers"))
     print(f"{device}, torch {torch.__version__}: GPT-2 124M, seq_len {shape.seq_len}, micro-batch {shape.micro_batch}"
           f" x {shape.accumulation} micro-steps = {shape.total_batch:,} tokens/step, {shape.dtype}, "
           f"compile {shape.compile}; {args.steps} steps, median after {args.warmup}")  # fmt: skip

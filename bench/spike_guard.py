@@ -33,6 +33,7 @@ from accel_gpt.config import TrainConfig
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import param_groups
 from accel_gpt.spike import SpikeGuard, optimizer_step
+from bench.benchlib import header
 
 SHAPES = {
     "tiny-cpu": {"n_layer": 2, "n_head": 4, "n_embd": 64, "seq_len": 64},
@@ -41,7 +42,8 @@ SHAPES = {
 
 
 def adamw(model: GPT, fused: bool) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    groups = param_groups(list(model.parameters()), 0.1)
+    return torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
 def restore_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
@@ -97,6 +99,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
     n_params = sum(p.numel() for p in model.parameters())
     where = f"{device.type}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
+    print(header("spike_guard"))
     print(f"{args.model} ({n_params / 1e6:.1f}M parameters), {where}")
     base = statistics.median(times["fused"])
     for name, values in times.items():
