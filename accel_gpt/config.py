@@ -27,12 +27,48 @@ from accel_gpt.files import atomic_write
 PRESETS_DIR = Path(__file__).parent / "presets"
 
 
-def option(default: Any, help: str, *, required: bool = False, positional: bool = False) -> Any:
-    """A config field with its `--help` line. `required`: the command line must give it unless `--config` does."""
-    meta = {"help": help, "required": required, "positional": positional}
+def option(default: Any, help: str, *, required: bool = False, positional: bool = False, bounds: str = "") -> Any:
+    """A config field with its `--help` line. `required`: the command line must give it unless `--config` does.
+    `bounds`: a number's range as an interval ("[1, inf)", "(0, 1]"), checked wherever the value comes from."""
+    meta = {"help": help, "required": required, "positional": positional, "bounds": Bounds.parse(bounds)}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A numeric setting's range, written as an interval: `[1, inf)`, `(0, 1]`, `[0, 99]`.
+
+    Every number a command takes has one (a test walks them all), so a value that could only fail later, as a
+    traceback mid-run or a hang (a seed numpy refuses, a timeout timedelta cannot hold, a window of 10^12 slots),
+    is refused in one line before anything starts."""
+
+    text: str
+    low: float
+    high: float
+    low_open: bool
+    high_open: bool
+
+    @classmethod
+    def parse(cls, text: str) -> Bounds | None:
+        if not text:
+            return None
+        match = re.fullmatch(r"([\[(])\s*([^,\s]+)\s*,\s*([^\s\])]+)\s*([\])])", text)
+        if match is None:
+            raise ValueError(f"bounds {text!r} is not an interval like [1, inf) or (0, 1]")
+        opening, low, high, closing = match.groups()
+        return cls(text, float(low), float(high), opening == "(", closing == ")")
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def describe(self) -> str:
+        if math.isinf(self.high):
+            return f"{'>' if self.low_open else '>='} {self.text[1:].split(',')[0].strip()}"
+        return f"in {self.text}"
 
 
 @dataclass
@@ -48,7 +84,11 @@ class Config:
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in fields(self):
-            setattr(self, f.name, coerce(f.name, getattr(self, f.name), hints[f.name]))
+            value = coerce(f.name, getattr(self, f.name), hints[f.name])
+            bounds = f.metadata.get("bounds")
+            if bounds is not None and value is not None and not bounds.holds(value):
+                raise ConfigError(f"{f.name}={value} must be {bounds.describe()}")
+            setattr(self, f.name, value)
         self.validate()
 
     def validate(self) -> None:
@@ -208,13 +248,6 @@ def _str(name: str, value: Any) -> str:
 _PARSERS = {bool: _bool, int: _int, float: _float, str: _str}
 
 
-def at_least(cfg: Config, minimum: float, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if value is not None and value < minimum:
-            raise ConfigError(f"{name}={value} must be >= {minimum}")
-
-
 # ------------------------------------------------------------------------------------------------ train
 
 # Fields that define the model's shape: a resume or init that changes one of these cannot load weights.
@@ -271,11 +304,15 @@ class TrainConfig(Config):
         "auto", "shard checks at start: auto (sizes; sha256 of new or changed shards only) | full (sha256 of all)"
     )
     # model (defaults: GPT-2 124M)
-    n_layer: int = option(12, "transformer blocks")
-    n_head: int = option(12, "attention heads per block")
-    n_embd: int = option(768, "width of the residual stream")
-    seq_len: int = option(1024, "tokens per training sequence; also the model's context (position table)")
-    vocab_size: int = option(50_304, "embedding rows: GPT-2's 50,257 padded to a multiple of 128 for fast matmuls")
+    n_layer: int = option(12, "transformer blocks", bounds="[1, 1024]")
+    n_head: int = option(12, "attention heads per block", bounds="[1, 1024]")
+    n_embd: int = option(768, "width of the residual stream", bounds="[1, 65536]")
+    seq_len: int = option(
+        1024, "tokens per training sequence; also the model's context (position table)", bounds="[1, 1048576]"
+    )
+    vocab_size: int = option(
+        50_304, "embedding rows: GPT-2's 50,257 padded to a multiple of 128 for fast matmuls", bounds="[1, 16777216]"
+    )
     arch: Arch = option(
         "gpt2", "the block: gpt2 (GPT2LMHeadModel's) | nanochat (NanoChatForCausalLM's: rotary, RMSNorm, ReLU², untied)"
     )
@@ -285,62 +322,106 @@ class TrainConfig(Config):
     gelu: Literal["tanh", "exact"] | None = option(
         None, "gpt2: the MLP's GELU, tanh (GPT-2's, unset) | exact (erf, as nanoGPT's model; cheaper on CPUs)"
     )
-    n_kv_head: int | None = option(None, "nanochat: key/value heads, dividing n_head (grouped-query; unset: n_head)")
-    rope_theta: float | None = option(None, "nanochat: the rotary base (unset: 10,000)")
-    logit_softcap: float | None = option(None, "nanochat: logits become c*tanh(logits/c) (0 = off; unset: 15)")
-    dropout: float = option(0.0, "dropout on embeddings, attention weights and residual branches; training only")
+    n_kv_head: int | None = option(
+        None, "nanochat: key/value heads, dividing n_head (grouped-query; unset: n_head)", bounds="[1, 1024]"
+    )
+    rope_theta: float | None = option(None, "nanochat: the rotary base (unset: 10,000)", bounds="(1, inf)")
+    logit_softcap: float | None = option(
+        None, "nanochat: logits become c*tanh(logits/c) (0 = off; unset: 15)", bounds="[0, inf)"
+    )
+    dropout: float = option(
+        0.0, "dropout on embeddings, attention weights and residual branches; training only", bounds="[0, 1)"
+    )
     # optimization
-    total_batch_size: int = option(524_288, "tokens per optimizer step, all processes together (2**19)")
-    micro_batch_size: int = option(16, "sequences per process per forward pass")
-    max_steps: int = option(19_073, "optimizer steps to train (the default: 10B tokens at 524,288 per step)")
-    learning_rate: float = option(6e-4, "peak learning rate, reached after warmup_steps")
-    min_lr_ratio: float = option(0.1, "the floor: the schedule reaches min_lr_ratio * learning_rate at its horizon")
-    warmup_steps: int = option(715, "steps of linear warm-up from 0")
+    total_batch_size: int = option(
+        524_288, "tokens per optimizer step, all processes together (2**19)", bounds="[1, 1e12]"
+    )
+    micro_batch_size: int = option(16, "sequences per process per forward pass", bounds="[1, 1048576]")
+    max_steps: int = option(
+        19_073, "optimizer steps to train (the default: 10B tokens at 524,288 per step)", bounds="[1, 1e12]"
+    )
+    learning_rate: float = option(6e-4, "peak learning rate, reached after warmup_steps", bounds="(0, 10]")
+    min_lr_ratio: float = option(
+        0.1, "the floor: the schedule reaches min_lr_ratio * learning_rate at its horizon", bounds="[0, 1]"
+    )
+    warmup_steps: int = option(715, "steps of linear warm-up from 0", bounds="[0, 1e12]")
     lr_schedule: LRSchedule = option("cosine", "cosine | wsd (stable, then linear decay) | linear | constant")
-    schedule_steps: int = option(0, "the schedule's horizon (0 = max_steps); past it the rate stays at the floor")
-    decay_fraction: float = option(0.2, "wsd: the last decay_fraction of the horizon decays linearly to the floor")
-    weight_decay: float = option(0.1, "AdamW decoupled weight decay on matrices and embeddings")
-    grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = no clipping)")
-    beta1: float = option(0.9, "AdamW beta1")
-    beta2: float = option(0.95, "AdamW beta2")
+    schedule_steps: int = option(
+        0, "the schedule's horizon (0 = max_steps); past it the rate stays at the floor", bounds="[0, 1e12]"
+    )
+    decay_fraction: float = option(
+        0.2, "wsd: the last decay_fraction of the horizon decays linearly to the floor", bounds="(0, 1]"
+    )
+    weight_decay: float = option(0.1, "AdamW decoupled weight decay on matrices and embeddings", bounds="[0, 100]")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0 = no clipping)", bounds="[0, inf)")
+    beta1: float = option(0.9, "AdamW beta1", bounds="[0, 1)")
+    beta2: float = option(0.95, "AdamW beta2", bounds="[0, 1)")
     optimizer: OptimizerName = option("adamw", "adamw | muon (Muon on the blocks' weight matrices, AdamW on the rest)")
-    muon_lr: float = option(0.04, "muon: peak learning rate of the block matrices; the schedule scales it too")
-    muon_momentum: float = option(0.95, "muon: Nesterov momentum")
-    muon_weight_decay: float = option(0.0, "muon: decoupled weight decay of the block matrices")
+    muon_lr: float = option(
+        0.04, "muon: peak learning rate of the block matrices; the schedule scales it too", bounds="(0, 10]"
+    )
+    muon_momentum: float = option(0.95, "muon: Nesterov momentum", bounds="[0, 1)")
+    muon_weight_decay: float = option(0.0, "muon: decoupled weight decay of the block matrices", bounds="[0, 100]")
     muon_adjust_lr_fn: MuonLRAdjust = option(
         "original", "muon: per-matrix lr scale: original (sqrt(max(1, rows/cols))) | match_rms_adamw (0.2*sqrt(max))"
     )
     muon_momentum_warmup: int | None = option(
-        None, "muon: steps over which momentum rises from muon_momentum_start (0 = none; unset: nanochat 300, gpt2 0)"
+        None,
+        "muon: steps over which momentum rises from muon_momentum_start (0 = none; unset: nanochat 300, gpt2 0)",
+        bounds="[0, 1e12]",
     )
-    muon_momentum_start: float = option(0.85, "muon: the momentum of the first step when muon_momentum_warmup > 0")
+    muon_momentum_start: float = option(
+        0.85, "muon: the momentum of the first step when muon_momentum_warmup > 0", bounds="[0, 1)"
+    )
     muon_ns_steps: int | None = option(
-        None, "muon: Newton-Schulz iterations per update (torch's ns_steps; unset: nanochat 4, gpt2 5, torch's)"
+        None,
+        "muon: Newton-Schulz iterations per update (torch's ns_steps; unset: nanochat 4, gpt2 5, torch's)",
+        bounds="[1, 99]",
     )
     muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = option(
         "auto", "muon: Newton-Schulz dtype (auto: bfloat16 on bf16 matrix units, else float32; said at start)"
     )
-    embedding_lr: float | None = option(None, "nanochat: AdamW peak rate of the token embedding (unset: 0.3)")
-    head_lr: float | None = option(None, "nanochat: AdamW peak rate of the untied LM head (unset: 0.008)")
-    seed: int = option(1337, "initial weights and data order")
-    # loss-spike guard: an outlier step is not applied (the schedule and data still advance)
-    spike_loss_zscore: float = option(0.0, "skip a step whose loss is over this many std above its mean (0 = off)")
-    spike_grad_zscore: float = option(0.0, "skip a step whose grad norm is over this many std above its mean (0 = off)")
-    spike_window: int = option(128, "applied steps the spike guard's mean and std cover (it judges once it holds 16)")
-    # evaluation and sampling (0 turns a periodic action off)
-    eval_every: int = option(250, "steps between validation-loss evaluations (0 = never; also on the last step)")
-    eval_windows: int | None = option(
-        None, "validation windows of seq_len tokens: one fixed set for any batch shape or world size (unset: 160)"
+    embedding_lr: float | None = option(
+        None, "nanochat: AdamW peak rate of the token embedding (unset: 0.3)", bounds="(0, 10]"
     )
-    eval_steps: int | None = option(None, "the val set's former size: eval_windows = eval_steps x micro_batch_size")
-    hellaswag_every: int = option(0, "steps between HellaSwag evaluations (0 = never)")
+    head_lr: float | None = option(
+        None, "nanochat: AdamW peak rate of the untied LM head (unset: 0.008)", bounds="(0, 10]"
+    )
+    seed: int = option(1337, "initial weights and data order", bounds="[0, 2147483647]")
+    # loss-spike guard: an outlier step is not applied (the schedule and data still advance)
+    spike_loss_zscore: float = option(
+        0.0, "skip a step whose loss is over this many std above its mean (0 = off)", bounds="[0, inf)"
+    )
+    spike_grad_zscore: float = option(
+        0.0, "skip a step whose grad norm is over this many std above its mean (0 = off)", bounds="[0, inf)"
+    )
+    spike_window: int = option(
+        128,
+        "applied steps the spike guard's mean and std cover (it judges once it holds 16)",
+        bounds=f"[{SPIKE_MIN_HISTORY}, 1000000]",
+    )
+    # evaluation and sampling (0 turns a periodic action off)
+    eval_every: int = option(
+        250, "steps between validation-loss evaluations (0 = never; also on the last step)", bounds="[0, inf)"
+    )
+    eval_windows: int | None = option(
+        None,
+        "validation windows of seq_len tokens: one fixed set for any batch shape or world size (unset: 160)",
+        bounds="[0, inf)",
+    )
+    eval_steps: int | None = option(
+        None, "the val set's former size: eval_windows = eval_steps x micro_batch_size", bounds="[0, inf)"
+    )
+    hellaswag_every: int = option(0, "steps between HellaSwag evaluations (0 = never)", bounds="[0, inf)")
     hellaswag: str = option("", "HellaSwag source for in-training evaluation: a jsonl path/URL or hub id")
-    hellaswag_limit: int = option(0, "score only the first N HellaSwag examples (0 = all)")
-    sample_tokens: int = option(32, "tokens sampled at each evaluation (0 = no samples)")
+    hellaswag_limit: int = option(0, "score only the first N HellaSwag examples (0 = all)", bounds="[0, inf)")
+    sample_tokens: int = option(32, "tokens sampled at each evaluation (0 = no samples)", bounds="[0, 10000]")
     sample_prompt: str = option("\n", "the prompt of those samples")
     # checkpoints
-    save_every: int = option(1000, "steps between checkpoints (0 = none); also at the end and on SIGTERM/SIGINT/SIGHUP")
-    keep_checkpoints: int = option(2, "keep the newest N checkpoints (0 = all)")
+    save_every: int = option(
+        1000, "steps between checkpoints (0 = none); also at the end and on SIGTERM/SIGINT/SIGHUP", bounds="[0, inf)"
+    )
+    keep_checkpoints: int = option(2, "keep the newest N checkpoints (0 = all)", bounds="[0, inf)")
     keep_best: bool = option(False, "also keep the checkpoint with the lowest validation loss (needs eval_every)")
     final_weights: Literal["last", "best"] = option(
         "last", "the run dir's model.safetensors: the last step's weights, or the best evaluated checkpoint's"
@@ -355,54 +436,43 @@ class TrainConfig(Config):
         "auto", "auto: the launch's (accelerate config or flag; none under plain torchrun) | no | bf16 | fp16: this one"
     )
     dist_timeout: int = option(
-        0, "seconds a collective waits for every process before the run fails (0: torch's, 10 min NCCL, 30 Gloo)"
+        0,
+        "seconds a collective waits for every process before the run fails (0: torch's, 10 min NCCL, 30 Gloo)",
+        bounds="[0, 31536000]",
     )
     compile: bool = option(False, "torch.compile the model")
     compile_mode: CompileMode = option("default", "torch.compile mode")
     activation_checkpointing: bool = option(False, "recompute each block in backward: less memory, ~30% more compute")
-    loss_chunk: int = option(0, "rows of LM-head logits per chunk of the training loss (0 = all at once): less memory")
+    loss_chunk: int = option(
+        0, "rows of LM-head logits per chunk of the training loss (0 = all at once): less memory", bounds="[0, inf)"
+    )
     check_memory: bool = option(
         True, "refuse a run whose estimated memory per process is over what the device has free (false: try anyway)"
     )
     attention_backend: AttentionBackend = option("auto", "CUDA attention kernel to force (auto: PyTorch picks)")
-    num_workers: int = option(0, "DataLoader worker processes per process")
-    log_every: int = option(1, "steps between host syncs for logging; every step still gets a metrics row")
+    num_workers: int = option(0, "DataLoader worker processes per process", bounds="[0, 64]")
+    log_every: int = option(
+        1, "steps between host syncs for logging; every step still gets a metrics row", bounds="[1, inf)"
+    )
     log_with: str = option("auto", "trackers: auto (TensorBoard if installed) | none | tensorboard | wandb | ...")
 
     def validate(self) -> None:
-        at_least(self, 1, "n_layer", "n_head", "n_embd", "seq_len", "vocab_size", "total_batch_size")
-        at_least(self, 1, "micro_batch_size", "max_steps", "log_every")
-        at_least(self, 0, "warmup_steps", "eval_every", "eval_steps", "hellaswag_every", "hellaswag_limit")
         windows, steps, batch = self.eval_windows, self.eval_steps, self.micro_batch_size
         self.eval_windows, self.eval_steps = resolve_eval_windows(windows, steps, batch)
-        at_least(self, 0, "eval_windows", "dist_timeout")
-        at_least(self, 0, "sample_tokens", "save_every", "keep_checkpoints", "num_workers", "weight_decay")
-        at_least(self, 0, "grad_clip", "loss_chunk", "schedule_steps", "spike_loss_zscore", "spike_grad_zscore")
-        at_least(self, SPIKE_MIN_HISTORY, "spike_window")
-        if not 0.0 < self.decay_fraction <= 1.0:
-            raise ConfigError(f"decay_fraction={self.decay_fraction} must be in (0, 1]")
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         self.resolve_arch()
-        at_least(self, 0, "muon_momentum_warmup")
-        at_least(self, 1, "muon_ns_steps")
         if not self.data_dir:
             raise ConfigError("data_dir is required: pass --data_dir DIR (a folder written by `run.py prepare`)")
         if len(set(self.data_dirs)) != len(self.data_dirs):
             raise ConfigError(f"data_dir={self.data_dir!r} names a folder twice; weigh it with data_weights instead")
         self.source_weights()  # one positive weight per data_dir folder
-        if self.learning_rate <= 0:
-            raise ConfigError(f"learning_rate={self.learning_rate} must be > 0")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        if self.muon_lr <= 0:
-            raise ConfigError(f"muon_lr={self.muon_lr} must be > 0")
-        at_least(self, 0, "muon_weight_decay")
-        for name in ("beta1", "beta2", "muon_momentum", "muon_momentum_start", "dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
-        if self.seed < 0:
-            raise ConfigError(f"seed={self.seed} must be >= 0")
+        for rate, decay in (("learning_rate", "weight_decay"), ("muon_lr", "muon_weight_decay")):
+            if getattr(self, rate) * getattr(self, decay) >= 1:  # each step scales the weights by 1 - rate * decay
+                raise ConfigError(
+                    f"{rate}={getattr(self, rate)} x {decay}={getattr(self, decay)} must be below 1: decoupled weight "
+                    "decay multiplies the weights by 1 - rate x decay each step; lower one of them"
+                )
         if self.total_batch_size % (self.micro_batch_size * self.seq_len):
             raise ConfigError(
                 f"total_batch_size={self.total_batch_size} is not a multiple of "
@@ -455,10 +525,6 @@ class TrainConfig(Config):
         kv = self.n_kv_head
         if kv is not None and (kv < 1 or self.n_head % kv):
             raise ConfigError(f"n_kv_head={kv} must divide n_head={self.n_head} (each key/value head serves a group)")
-        for name in ("rope_theta", "embedding_lr", "head_lr"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        at_least(self, 0, "logit_softcap")
 
     def notes(self) -> list[str]:
         """Settings that are valid but do less than a reader of the config may think: said once at start-up."""
@@ -550,21 +616,25 @@ class PrepareConfig(Config):
     )
     tokenizer: Literal["gpt2", "char"] = option("gpt2", "gpt2 (tiktoken BPE, EOT before every document) or char")
     out_dir: str = option("data/shards", "where shards and manifest.json go: train's data_dir (presets set their own)")
-    shard_size: int = option(100_000_000, "tokens per shard")
-    val_tokens: int = option(0, "the first N tokens go to the val split (when there is no --val_split)")
-    num_proc: int = option(1, "tokenizer worker processes")
+    shard_size: int = option(100_000_000, "tokens per shard", bounds="[1, inf)")
+    val_tokens: int = option(
+        0, "the first N tokens go to the val split (when there is no --val_split)", bounds="[0, inf)"
+    )
+    num_proc: int = option(1, "tokenizer worker processes", bounds="[1, 256]")
     streaming: bool = option(False, "stream the dataset: bounded memory, any size")
-    limit: int = option(0, "read only the first N documents of each split (0 = all)")
-    num_shards: int | None = option(None, "split the input into K parts, one per machine (unset: WORLD_SIZE)")
-    shard_index: int | None = option(None, "which part (0..K-1) this process prepares (unset: RANK)")
+    limit: int = option(0, "read only the first N documents of each split (0 = all)", bounds="[0, inf)")
+    num_shards: int | None = option(
+        None, "split the input into K parts, one per machine (unset: WORLD_SIZE)", bounds="[1, 100000]"
+    )
+    shard_index: int | None = option(
+        None, "which part (0..K-1) this process prepares (unset: RANK)", bounds="[0, 99999]"
+    )
     merge: bool = option(False, "only merge the finished part-*-of-K folders of --out_dir into one manifest")
-    task_chars: int = option(1 << 20, "characters per worker task: changes speed, never the output")
+    task_chars: int = option(1 << 20, "characters per worker task: changes speed, never the output", bounds="[1, inf)")
 
     def validate(self) -> None:
         if not self.sample_by:
             self.sample_by = "document" if self.tokenizer == "char" else "paragraph"
-        at_least(self, 1, "shard_size", "num_proc", "task_chars", "num_shards")
-        at_least(self, 0, "val_tokens", "limit", "shard_index")
         if self.val_split and self.val_tokens:
             raise ConfigError("val_split and val_tokens both set: take validation from one of them")
         if (self.num_shards is None) != (self.shard_index is None):
@@ -585,20 +655,24 @@ class EvalConfig(Config):
     command: ClassVar[str] = "eval"
     checkpoint: str = option("", "run dir, checkpoint dir, or transformers GPT-2 folder/hub id", required=True)
     hellaswag: str = option("", "HellaSwag source: jsonl path/URL or hub id (Rowan/hellaswag)")
-    limit: int = option(0, "score only the first N HellaSwag examples (0 = all)")
+    limit: int = option(0, "score only the first N HellaSwag examples (0 = all)", bounds="[0, inf)")
     data_dir: str = option("", "token shards whose 'val' split gives the validation loss")
     eval_windows: int | None = option(
-        None, "validation windows, shared out over the processes (unset: the run's eval_windows, else 160)"
+        None,
+        "validation windows, shared over the processes (unset: the run's eval_windows, or its export's; else 160)",
+        bounds="[1, inf)",
     )
-    eval_steps: int | None = option(None, "the former size of the val set: eval_windows = eval_steps x batch_size")
+    eval_steps: int | None = option(
+        None, "the former size of the val set: eval_windows = eval_steps x batch_size", bounds="[1, inf)"
+    )
     batch_size: int | None = option(
-        None, "sequences (or HellaSwag examples) per forward pass (unset: the run's micro_batch_size, else 8)"
+        None,
+        "sequences (or HellaSwag examples) per forward pass (unset: the run's micro_batch_size, else 8)",
+        bounds="[1, 1048576]",
     )
     out: str = option("", "write one jsonl line per HellaSwag example here")
 
     def validate(self) -> None:
-        at_least(self, 1, "eval_windows", "eval_steps", "batch_size")
-        at_least(self, 0, "limit")
         if not self.hellaswag and not self.data_dir:
             raise ConfigError("nothing to evaluate: pass --hellaswag SRC and/or --data_dir D")
         if self.out and not self.hellaswag:
@@ -610,17 +684,13 @@ class SampleConfig(Config):
     command: ClassVar[str] = "sample"
     checkpoint: str = option("", "run dir, checkpoint dir, or transformers GPT-2 folder/hub id", required=True)
     prompt: str = option("\n", "text to continue")
-    max_new_tokens: int = option(100, "tokens to generate")
-    temperature: float = option(1.0, "divides the logits: below 1 is more conservative, 0 is greedy")
-    top_k: int = option(50, "keep the k most likely tokens (0 = all)")
-    num_samples: int = option(1, "independent continuations to print")
-    seed: int = option(1337, "random seed: the same seed gives the same text")
+    max_new_tokens: int = option(100, "tokens to generate", bounds="[0, inf)")
+    temperature: float = option(1.0, "divides the logits: below 1 is more conservative, 0 is greedy", bounds="[0, inf)")
+    top_k: int = option(50, "keep the k most likely tokens (0 = all)", bounds="[0, inf)")
+    num_samples: int = option(1, "independent continuations to print", bounds="[1, inf)")
+    seed: int = option(1337, "random seed: the same seed gives the same text", bounds="[0, 2147483647]")
     stop_at_eot: bool = option(True, "end a sample where the model writes end-of-text (false: write on past it)")
     device: str = option("", "cpu, cuda, ... (default: cuda if available)")
-
-    def validate(self) -> None:
-        at_least(self, 0, "max_new_tokens", "temperature", "top_k", "seed")
-        at_least(self, 1, "num_samples")
 
 
 @dataclass

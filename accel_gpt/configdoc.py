@@ -7,6 +7,7 @@ cannot drift from the code.
 
 from __future__ import annotations
 
+import json
 from dataclasses import MISSING, fields
 from typing import Any
 
@@ -37,13 +38,14 @@ def _section(name: str, cls: type[Config]) -> str:
     lines = [f"## `{name}`", "", command_help(name), ""]
     if presets:
         lines += [f"Presets (`--config NAME`): {', '.join(f'`{p}`' for p in presets)}.", ""]
-    lines += ["| setting | default | what it does | presets that set it |", "| --- | --- | --- | --- |"]
+    lines += ["| setting | default | range | what it does | presets that set it |", "| --- | --- | --- | --- | --- |"]
     for f in fields(cls):
         setting = f"`{f.name}`" + (" (required)" if f.metadata.get("required") else "")
         setting += " (positional)" if f.metadata.get("positional") else ""
         default = "" if f.default is MISSING and f.default_factory is MISSING else _value(_default(f))
+        bounds = f"`{f.metadata['bounds'].text}`" if f.metadata.get("bounds") else ""
         setters = ", ".join(f"`{p}` ({_value(values[f.name])})" for p, values in presets.items() if f.name in values)
-        lines.append(f"| {setting} | {default} | {_escape(f.metadata['help'])} | {setters} |")
+        lines.append(f"| {setting} | {default} | {bounds} | {_escape(f.metadata['help'])} | {setters} |")
     return "\n".join(lines) + "\n"
 
 
@@ -62,6 +64,8 @@ def _value(value: Any) -> str:
         return f"`{str(value).lower()}`"
     if value == "" or value == []:
         return '`""`'
+    if isinstance(value, str) and not value.isprintable():  # a newline would end the table's row
+        return f"`{_escape(json.dumps(value))}`"
     return f"`{_escape(str(value))}`"
 
 

@@ -258,3 +258,78 @@ def test_a_copied_runs_config_names_the_folder_it_writes_to(tmp_path: Path) -> N
         f"{tmp_path / 'original'}, not to {copied} (a copied run? pass --out_dir {copied})"
     ]
     assert TrainConfig.load(str(copied / "config.yaml"), {"out_dir": str(copied)}).notes() == []
+
+
+# ------------------------------------------------------------------------------------------ every number's range
+
+# What each command needs besides the number under test, so that only that number can be wrong.
+REQUIRED = {
+    "train": {"data_dir": "d"},
+    "eval": {"checkpoint": "c", "data_dir": "d"},
+    "sample": {"checkpoint": "c"},
+    "export": {"checkpoint": "c", "out_dir": "o"},
+    "prepare": {},
+    "plot": {},
+}
+NEEDS = {("prepare", "shard_index"): {"num_shards": 100_000}, ("prepare", "num_shards"): {"shard_index": 0}}
+
+
+def numeric_settings() -> list[tuple[str, str]]:
+    """(command, setting) of every int or float setting of every command."""
+    found = []
+    for command, cls in CONFIGS.items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            hint = hints[f.name]
+            types_ = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_args(hint) else [hint]
+            if types_ and types_[0] in (int, float):
+                found.append((command, f.name))
+    return found
+
+
+def outside(bounds, integer: bool) -> list[float]:
+    """Values just outside an interval: an open end itself, else one step past it."""
+    step = 1 if integer else max(1e-9, abs(bounds.low) * 1e-9)
+    values = [bounds.low if bounds.low_open else bounds.low - step]
+    if bounds.high != float("inf"):
+        high_step = 1 if integer else max(1e-9, abs(bounds.high) * 1e-9)
+        values.append(bounds.high if bounds.high_open else bounds.high + high_step)
+    return [int(v) if integer else v for v in values]
+
+
+@pytest.mark.parametrize(("command", "name"), numeric_settings(), ids=lambda v: v)
+def test_every_number_a_command_takes_has_a_range_checked_when_it_is_read(command: str, name: str) -> None:
+    """Walks every int and float setting of every command: each has bounds (a new one without fails here), and a
+    value just outside them, NaN or infinity is refused in one line naming the setting, from a flag (a string)
+    as from YAML (a number); the ends inside are not refused for their range."""
+    cls = CONFIGS[command]
+    f = next(f for f in fields(cls) if f.name == name)
+    bounds = f.metadata.get("bounds")
+    assert bounds is not None, f"{command} --{name}: give its option() a bounds= interval"
+    integer = typing.get_type_hints(cls)[name] in (int, int | None)
+    base = {**REQUIRED[command], **NEEDS.get((command, name), {})}
+    for bad in [*outside(bounds, integer), "nan", "inf", "-inf"]:
+        for given in (str(bad), bad):
+            with pytest.raises(ConfigError) as refused:
+                cls(**base, **{name: given})
+            message = str(refused.value)
+            assert message.startswith(f"{name}=") and "\n" not in message, message
+    inside = [bounds.low] if not bounds.low_open else []
+    inside += [bounds.high] if bounds.high != float("inf") and not bounds.high_open else []
+    for good in inside:
+        value = int(good) if integer else good
+        try:
+            cls(**base, **{name: str(value)})
+        except ConfigError as e:
+            assert f"must be {bounds.describe()}" not in str(e), str(e)
+
+
+def test_bounds_read_as_intervals() -> None:
+    from accel_gpt.config import Bounds
+
+    assert Bounds.parse("[1, inf)").describe() == ">= 1" and Bounds.parse("(0, inf)").describe() == "> 0"
+    assert Bounds.parse("(0, 1]").describe() == "in (0, 1]"
+    half_open = Bounds.parse("[0, 1)")
+    assert half_open.holds(0.0) and not half_open.holds(1.0) and not Bounds.parse("(0, 1]").holds(0.0)
+    with pytest.raises(ValueError, match="is not an interval"):
+        Bounds.parse("1..2")

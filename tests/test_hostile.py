@@ -90,8 +90,8 @@ def test_the_data_folder_as_out_dir(capsys, tmp_path: Path, data: Path) -> None:
 
 
 def test_a_shape_far_too_large_is_refused_before_it_is_built(capsys, tmp_path: Path, data: Path) -> None:
-    """100,000 blocks of 4,096: building them alone would take minutes before any memory check could run."""
-    shape = ["--n_layer", "100000", "--n_embd", "4096", "--n_head", "32"]
+    """1,000 blocks of 4,096: building them alone would take minutes before any memory check could run."""
+    shape = ["--n_layer", "1000", "--n_embd", "4096", "--n_head", "32"]
     err = one_error(capsys, "train", *TINY, *shape, "--data_dir", str(data), "--out_dir", str(tmp_path / "o"))
     assert err.startswith("error: this run needs about ") and "--check_memory false" in err
 

@@ -118,7 +118,7 @@ def test_wsd_horizon_extended_from_the_stable_phase() -> None:
     "overrides, message",
     [
         ({"lr_schedule": "cosin"}, "did you mean cosine"),
-        ({"schedule_steps": -1}, "schedule_steps=-1 must be >= 0"),
+        ({"schedule_steps": -1}, "schedule_steps=-1 must be in [0, 1e12]"),
         ({"decay_fraction": 0.0}, "decay_fraction=0.0 must be in (0, 1]"),
         ({"decay_fraction": 1.5}, "decay_fraction=1.5 must be in (0, 1]"),
     ],
