@@ -340,7 +340,7 @@ class TrainConfig(Config):
     max_steps: int = option(
         19_073, "optimizer steps to train (the default: 10B tokens at 524,288 per step)", bounds="[1, 1e12]"
     )
-    learning_rate: float = option(6e-4, "peak learning rate, reached after warmup_steps", bounds="(0, 10]")
+    learning_rate: float = option(6e-4, "peak learning rate, reached after warmup_steps", bounds="(0, 1e6]")
     min_lr_ratio: float = option(
         0.1, "the floor: the schedule reaches min_lr_ratio * learning_rate at its horizon", bounds="[0, 1]"
     )
@@ -358,7 +358,7 @@ class TrainConfig(Config):
     beta2: float = option(0.95, "AdamW beta2", bounds="[0, 1)")
     optimizer: OptimizerName = option("adamw", "adamw | muon (Muon on the blocks' weight matrices, AdamW on the rest)")
     muon_lr: float = option(
-        0.04, "muon: peak learning rate of the block matrices; the schedule scales it too", bounds="(0, 10]"
+        0.04, "muon: peak learning rate of the block matrices; the schedule scales it too", bounds="(0, 1e6]"
     )
     muon_momentum: float = option(0.95, "muon: Nesterov momentum", bounds="[0, 1)")
     muon_weight_decay: float = option(0.0, "muon: decoupled weight decay of the block matrices", bounds="[0, 100]")
@@ -382,10 +382,10 @@ class TrainConfig(Config):
         "auto", "muon: Newton-Schulz dtype (auto: bfloat16 on bf16 matrix units, else float32; said at start)"
     )
     embedding_lr: float | None = option(
-        None, "nanochat: AdamW peak rate of the token embedding (unset: 0.3)", bounds="(0, 10]"
+        None, "nanochat: AdamW peak rate of the token embedding (unset: 0.3)", bounds="(0, 1e6]"
     )
     head_lr: float | None = option(
-        None, "nanochat: AdamW peak rate of the untied LM head (unset: 0.008)", bounds="(0, 10]"
+        None, "nanochat: AdamW peak rate of the untied LM head (unset: 0.008)", bounds="(0, 1e6]"
     )
     seed: int = option(1337, "initial weights and data order", bounds="[0, 2147483647]")
     # loss-spike guard: an outlier step is not applied (the schedule and data still advance)

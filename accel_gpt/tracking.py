@@ -190,12 +190,16 @@ class MetricsLogger:
             return
         self.file.write(rows[: rows.index(bad) + 1])
         self.progress.close()
-        done = complete_checkpoints(self.out_dir)
+        # Step k's loss and gradient come from the weights of step k - 1, so those are already off: a checkpoint to
+        # go back to is one of step k - 2 or earlier (whose weights gave step k - 1 finite values).
+        done = [p for p in complete_checkpoints(self.out_dir) if int(p.name.removeprefix("step_")) <= bad["step"] - 2]
         lower = "a lower --muon_lr or --learning_rate" if self.optimizer == "muon" else "a lower --learning_rate"
         if done:
-            then = f"the newest checkpoint, {done[-1]}, is from before it: resume from it by path with {lower}"
+            then = (
+                f"the newest checkpoint before it, {done[-1]}, gave finite values: resume from it by path with {lower}"
+            )
         else:
-            then = f"no checkpoint was saved before it: train again with {lower}"
+            then = f"no checkpoint was saved before it: train again with {lower} and --overwrite true"
         raise UserError(
             f"training diverged at step {bad['step']} (loss {bad['loss']}, grad_norm {bad['grad_norm']}): stopped "
             f"without saving its weights; {then}"

@@ -629,36 +629,65 @@ def test_dist_timeout_turns_a_rank_that_never_comes_into_an_error(data: Path, tm
 
 
 @pytest.mark.parametrize("processes", [1, 2])
-def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(
-    data: Path, tmp_path: Path, processes: int
-) -> None:
-    """A learning rate of 1e30 without clipping: step 2's loss and gradient norm are NaN. The run stops there in
-    one line on every rank (2 processes: no hang, one message), saves nothing of step 2 and no final weights."""
+def test_a_non_finite_loss_stops_the_run_and_names_what_then_trains(data: Path, tmp_path: Path, processes: int) -> None:
+    """A learning rate of 1e6 without clipping or decay: step 1's update breaks the weights, so step 2's loss and
+    gradient norm are NaN. The run stops there in one line on every rank (2 processes: no hang, one message), saves
+    nothing of step 2 and no final weights. Step 1's checkpoint holds the broken weights, so the line does not send
+    the user back to it: it says to train again, and doing so trains."""
     out = tmp_path / "run"
-    diverge = ("--learning_rate", "1e30", "--grad_clip", "0", "--warmup_steps", "0", "--max_steps", "6")
+    diverge = ("--learning_rate", "1e6", "--weight_decay", "0", "--grad_clip", "0", "--warmup_steps", "0")
+    diverge += ("--max_steps", "6")
     proc = train(data, out, *diverge, "--save_every", "1", "--log_every", "3", processes=processes, check=False)
     assert proc.returncode != 0, proc.stderr[-3000:]
     (line,) = errors(proc.stderr)
     assert line.startswith("error: training diverged at step 2 (loss nan"), line
     assert line.endswith(
-        f"the newest checkpoint, {ckpt(out, 1)}, is from before it: resume from it by path with a lower --learning_rate"
+        "no checkpoint was saved before it: train again with a lower --learning_rate and --overwrite true"
     )
     assert checkpoints(out) == ["step_00000001"]
     assert not (out / "model.safetensors").exists()
-    assert all(torch.isfinite(t).all() for t in load_file(str(ckpt(out, 1) / "model.safetensors")).values())
     assert [r["step"] for r in rows(out)] == [1, 2]
+    if processes == 1:  # what the line says, done
+        train(data, out, *diverge, "--learning_rate", "1e-3", "--overwrite", "true", "--save_every", "0")
+        assert [r["step"] for r in rows(out)] == list(range(1, 7)) and (out / "model.safetensors").is_file()
+
+
+def test_a_run_that_diverges_after_a_resume_names_the_checkpoint_that_trains_on(data: Path, tmp_path: Path) -> None:
+    """3 good steps with a checkpoint each, then a resume at 1e6 saving every step until the loss of some step k is
+    NaN: checkpoint k - 1 holds the weights that gave it, so the line names an earlier one, and resuming from it by
+    path with a lower rate, as it says, trains to the end."""
+    out = tmp_path / "run"
+    train(data, out, "--max_steps", "3", "--save_every", "1", "--keep_checkpoints", "0")
+    diverge = ("--learning_rate", "1e6", "--weight_decay", "0", "--grad_clip", "0", "--warmup_steps", "0")
+    proc = train(data, out, *diverge, "--max_steps", "8", "--save_every", "1", "--keep_checkpoints", "0",
+                 "--resume", "auto", check=False)  # fmt: skip
+    (line,) = errors(proc.stderr)
+    said = re.fullmatch(
+        r"error: training diverged at step (\d+) \(loss nan, grad_norm nan\): stopped without saving its weights; the "
+        r"newest checkpoint before it, (\S+), gave finite values: resume from it by path with a lower --learning_rate",
+        line,
+    )
+    assert said is not None, line
+    bad, named = int(said[1]), Path(said[2])
+    assert named == ckpt(out, bad - 2) and ckpt(out, bad - 1).is_dir(), "the checkpoint just before holds the NaN"
+    train(data, out, "--learning_rate", "1e-3", "--max_steps", "8", "--resume", str(named))
+    assert [r["step"] for r in rows(out)] == list(range(1, 9)) and (out / "model.safetensors").is_file()
 
 
 def test_a_diverged_muon_run_without_checkpoints_says_so_and_names_muons_rate(data: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    diverge = ("--learning_rate", "1e30", "--muon_lr", "1e30", "--grad_clip", "0", "--warmup_steps", "0")
+    diverge = ("--learning_rate", "1e6", "--muon_lr", "1e6", "--weight_decay", "0", "--grad_clip", "0")
+    diverge += ("--warmup_steps", "0")
     proc = train(data, out, *diverge, "--optimizer", "muon", "--max_steps", "6", "--save_every", "0", check=False)
     (line,) = errors(proc.stderr)
     assert line.startswith("error: training diverged at step "), proc.stderr[-3000:]
     assert line.endswith(
         "stopped without saving its weights; no checkpoint was saved before it: train again with a lower --muon_lr or "
-        "--learning_rate"
+        "--learning_rate and --overwrite true"
     )
+    lower = ("--learning_rate", "1e-3", "--muon_lr", "0.02", "--overwrite", "true")  # what the line says, done
+    train(data, out, *diverge, "--optimizer", "muon", "--max_steps", "6", "--save_every", "0", *lower)
+    assert [r["step"] for r in rows(out)] == list(range(1, 7)) and (out / "model.safetensors").is_file()
 
 
 # ------------------------------------------------------------------------------------------ 8. signals
