@@ -523,8 +523,10 @@ class TrainConfig(Config):
                 f"n_embd/n_head={head_dim}: rotary positions turn pairs of dimensions, so it must be even"
             )
         kv = self.n_kv_head
-        if kv is not None and (kv < 1 or self.n_head % kv):
+        if kv is not None and self.n_head % kv:
             raise ConfigError(f"n_kv_head={kv} must divide n_head={self.n_head} (each key/value head serves a group)")
+        if kv == self.n_head:  # one key/value head per query head is the model without the setting
+            self.n_kv_head = None
 
     def notes(self) -> list[str]:
         """Settings that are valid but do less than a reader of the config may think: said once at start-up."""

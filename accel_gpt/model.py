@@ -52,6 +52,8 @@ class GPTConfig:
         if self.arch == "nanochat":  # no biases in this block; the rotary base its own default; ReLU², no GELU
             self.bias, self.gelu = False, None
             self.rope_theta = 10_000.0 if self.rope_theta is None else self.rope_theta
+            if self.n_kv_head == self.n_head:  # one key/value head per query head: the model without the setting
+                self.n_kv_head = None
         elif self.gelu is None:
             self.gelu = "tanh"
         elif self.gelu not in GELUS:

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, NanoChatForCausalL
 
 from accel_gpt import hf
 from accel_gpt import model as M
+from accel_gpt.checkpoint import check_resume_config
 from accel_gpt.config import NANOCHAT_DEFAULTS, TrainConfig
 from accel_gpt.errors import ConfigError
 from accel_gpt.generate import generate
@@ -485,3 +486,22 @@ def test_the_cpu_norm_is_torchs_rms_norm_with_its_gradient(dtype: torch.dtype) -
         (grad_ours,), (grad_theirs,) = torch.autograd.grad(ours, x, g), torch.autograd.grad(theirs, x, g)
         tolerance = 1e-6 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(grad_ours, grad_theirs, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.slow
+def test_n_kv_head_equal_to_n_head_is_the_model_without_it(tmp_path: Path, shakespeare_shards: Path) -> None:
+    """One key/value head per query head is what an unset n_kv_head means: a run trained without it resumes with
+    `--n_kv_head` = n_head and the other way round (it was refused as a change of shape), and the config takes it
+    as unset. A checkpoint that recorded n_kv_head = n_head resumes unset too."""
+    assert TrainConfig(data_dir="x", arch="nanochat", n_head=4, n_embd=64, n_kv_head=4).n_kv_head is None
+    assert GPTConfig(arch="nanochat", n_head=4, n_embd=64, n_kv_head=4).n_kv_head is None
+    saved = {**TrainConfig(data_dir="x", arch="nanochat", n_head=4, n_embd=64).to_dict(), "n_kv_head": 4}
+    check_resume_config(saved, TrainConfig(data_dir="x", arch="nanochat", n_head=4, n_embd=64).to_dict(), Path("c"))
+    run = tmp_path / "run"
+    args = ["--arch", "nanochat", "--n_layer", "1", "--n_head", "4", "--n_embd", "64", "--seq_len", "32"]
+    args += ["--micro_batch_size", "2", "--total_batch_size", "64", "--eval_every", "0", "--save_every", "1"]
+    args += ["--sample_tokens", "0", "--log_with", "none", "--data_dir", str(shakespeare_shards), "--out_dir", str(run)]
+    run_cmd(python_cmd("train", *args, "--max_steps", "2"))
+    proc = run_cmd(python_cmd("train", *args, "--max_steps", "3", "--n_kv_head", "4", "--resume", "auto"))
+    assert "resumed from" in proc.stderr and "finished at step 3/3" in proc.stderr
+    run_cmd(python_cmd("train", *args, "--max_steps", "4", "--resume", "auto"))
