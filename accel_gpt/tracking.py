@@ -190,14 +190,10 @@ class MetricsLogger:
             return
         self.file.write(rows[: rows.index(bad) + 1])
         self.progress.close()
-        # Step k's loss and gradient come from the weights of step k - 1, so those are already off: a checkpoint to
-        # go back to is one of step k - 2 or earlier (whose weights gave step k - 1 finite values).
-        done = [p for p in complete_checkpoints(self.out_dir) if int(p.name.removeprefix("step_")) <= bad["step"] - 2]
         lower = "a lower --muon_lr or --learning_rate" if self.optimizer == "muon" else "a lower --learning_rate"
-        if done:
-            then = (
-                f"the newest checkpoint before it, {done[-1]}, gave finite values: resume from it by path with {lower}"
-            )
+        good = checkpoint_before(self.out_dir, bad["step"])
+        if good is not None:
+            then = f"the newest checkpoint before it, {good}, gave finite values: resume from it by path with {lower}"
         else:
             then = f"no checkpoint was saved before it: train again with {lower} and --overwrite true"
         raise UserError(
@@ -206,19 +202,18 @@ class MetricsLogger:
         )
 
     def _stop_if_stuck(self, rows: list[dict[str, Any]]) -> None:
-        """`MAX_SKIPPED_IN_A_ROW` skipped steps in a row (counted since this start) end the run: when every batch is an
-        outlier, the weights themselves are off (an earlier update broke them) and skipping cannot mend them."""
+        """`MAX_SKIPPED_IN_A_ROW` skipped steps in a row (counted since this start) end the run: the weights the guard
+        keeps give outliers against its window, and skipping cannot change that. Either the run's own updates broke
+        them, or the guard withholds updates the run needs: a large gradient is not always a bad batch, and under
+        AdamW a skipped one also stays out of the second moment, which then damps the next ones less (measured:
+        bench/RESULTS.md, "Loss-spike guard"). The line names a way out for each."""
         for i, row in enumerate(rows):
             self.skipped_in_a_row = self.skipped_in_a_row + 1 if row.get("skipped") else 0
             if self.skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
                 self.file.write(rows[: i + 1])
                 self.progress.close()
                 first = row["step"] - MAX_SKIPPED_IN_A_ROW + 1
-                raise UserError(
-                    f"the spike guard skipped every step from {first} to {row['step']}: the weights were already off "
-                    f"before step {first}, which skipping cannot mend; resume by path from an earlier checkpoint "
-                    "(e.g. with a lower --learning_rate), or turn the guard off (spike_*_zscore 0)"
-                )
+                raise UserError(stuck_message(self.out_dir, first, row["step"]))
 
     def write(self, rows: list[dict[str, Any]], extra: dict[str, Any]) -> None:
         """metrics.jsonl and trackers (main process), the progress bar; `extra` (evaluations) joins the last row."""
@@ -267,3 +262,28 @@ class MetricsLogger:
             f"{losses}; run dir {cfg.out_dir} (metrics.jsonl, config.yaml, checkpoints/"
             + (f"; {weights})" if weights else "; no final weights yet)")
         )
+
+
+def checkpoint_before(out_dir: str | Path, step: int) -> Path | None:
+    """The newest complete checkpoint whose weights gave step `step - 1` its values, i.e. of step `step - 2` or
+    earlier: step k's loss and gradient come from the weights of step k - 1, so where step k's are bad, checkpoint
+    k - 1 holds the weights that gave them."""
+    done = [p for p in complete_checkpoints(out_dir) if int(p.name.removeprefix("step_")) <= step - 2]
+    return done[-1] if done else None
+
+
+def stuck_message(out_dir: str | Path, first: int, last: int) -> str:
+    """What the guard says when it skipped every step from `first` to `last`, with a way out for each cause."""
+    good = checkpoint_before(out_dir, first)
+    if good is not None:
+        back = f"resume by path from {good}, the newest checkpoint from before them, with a lower --learning_rate"
+    else:
+        back = "train again with a lower --learning_rate and --overwrite true"
+    off = "--spike_loss_zscore 0 --spike_grad_zscore 0"
+    on = f"--resume auto {off}" if complete_checkpoints(out_dir) else f"{off} --overwrite true"
+    return (
+        f"the spike guard skipped every step from {first} to {last}: the weights it keeps (those of step {first - 1}) "
+        f"give outliers against its window, and skipping cannot change that. If updates broke them, {back}; if the "
+        f"guard withholds updates this run needs (a large gradient is not always a bad batch), train on without it: "
+        f"{on}"
+    )

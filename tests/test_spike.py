@@ -323,3 +323,31 @@ def test_a_run_whose_every_step_is_an_outlier_stops(runs: dict) -> None:
     assert [r["step"] for r in written] == list(range(1, last + 1))
     assert skipped(out) == list(range(first, last + 1))
     assert read_model_config(out).step == 20, "no final weights written: those in the folder are step 20's"
+
+
+@pytest.mark.slow
+def test_what_the_stuck_line_says_trains(runs: dict, tmp_path: Path) -> None:
+    """Each way out the line names, done as it says on a copy of the stopped run: back to the checkpoint from before
+    the broken weights with a lower rate (the guard still on: it trains to the end, skipping the planted batch only),
+    and on from the
+    newest checkpoint without the guard (it trains to the end)."""
+    proc, out = runs["stuck"]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    back = checkpoint(out, 20)
+    assert (
+        f"If updates broke them, resume by path from {back}, the newest checkpoint from before them, with a lower "
+        "--learning_rate;" in line
+    ), line
+    assert line.endswith("train on without it: --resume auto --spike_loss_zscore 0 --spike_grad_zscore 0"), line
+    data = runs["root"] / "planted"
+    same = ("--lr_schedule", "constant", "--max_steps", "60")
+    lower = tmp_path / "lower"
+    shutil.copytree(out, lower)
+    train(1, data, lower, *GUARD, *same, "--resume", str(checkpoint(lower, 20)), "--learning_rate", "1e-2")
+    assert [r["step"] for r in rows(lower)][-1] == 60 and [s for s in skipped(lower) if s > 20] == [PLANTED]
+    unguarded = tmp_path / "unguarded"
+    shutil.copytree(out, unguarded)
+    train(
+        1, data, unguarded, *same, "--learning_rate", "1", "--resume", "auto", *line.split("--resume auto ")[1].split()
+    )
+    assert [r["step"] for r in rows(unguarded)][-1] == 60 and (unguarded / "model.safetensors").is_file()
