@@ -77,6 +77,12 @@ class Tokenizer:
         split's tokens, its byte count, which turns a loss per token into bits per byte."""
         return _token_bytes(self)
 
+    def load(self) -> Tokenizer:
+        """Read what encoding needs now (GPT-2's BPE files), so that a missing file is said before work begins."""
+        if self.name == "gpt2":
+            _tiktoken_gpt2()
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "chars": self.chars} if self.name == "char" else {"name": self.name}
 

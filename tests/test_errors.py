@@ -225,8 +225,7 @@ def build_cases(root: Path, s: dict[str, Path], read_only: Path | None) -> dict[
             ],
             "TIKTOKEN_CACHE_DIR",
             no_tiktoken,
-            progress=True,
-        ),  # fmt: skip
+        ),  # fmt: skip (the BPE files are read before the progress bar starts: nothing comes before the line)
         "sample_no_tiktoken_files": Case(["sample", "--checkpoint", gpt2], "TIKTOKEN_CACHE_DIR", no_tiktoken),
         "eval_gpt2_model_on_char_shards": Case(
             ["eval", "--checkpoint", gpt2, "--data_dir", str(s["char_data"])],

@@ -433,7 +433,7 @@ def _is_shard(name: str) -> bool:
 def _tokenizer(job: Job, streams: list[Stream], state: State, workers: Workers) -> Tokenizer:
     """gpt2 needs nothing; char needs its vocabulary: one parallel pass over all the text (kept in the state)."""
     if job.cfg.tokenizer == "gpt2":
-        return Tokenizer("gpt2")
+        return Tokenizer("gpt2").load()  # BPE files missing offline: said before the progress bar starts
     if state.chars is None:
         seen: set[str] = set()
         for stream in streams:
