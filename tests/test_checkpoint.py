@@ -592,6 +592,7 @@ def test_a_hangup_is_a_stop_that_never_aborts_and_nohup_is_kept() -> None:
         os.kill(os.getpid(), signal.SIGHUP)
         assert stop.requested() and stop.first == signal.SIGHUP
     with StopSignal(one) as stop:
+        assert signal.getsignal(signal.SIGINT) == stop._handle  # else the kill below would interrupt pytest itself
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGHUP)
         assert stop.requested() and stop.first == signal.SIGINT

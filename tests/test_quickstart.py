@@ -451,33 +451,51 @@ def section(text: str, heading: str) -> str:
     return text[start : end if end > 0 else len(text)]
 
 
+def make_prerequisites(target: str) -> list[str]:
+    m = re.search(rf"^{re.escape(target)}:(.*)$", (REPO / "Makefile").read_text(), re.M)
+    assert m, f"no make target '{target}'"
+    return m.group(1).split()
+
+
+def installed_extras(recipe: list[str]) -> str:
+    """The `pip install -e ".[...]"` of a setting-up recipe, as the README writes it."""
+    (line,) = [line for line in recipe if " -m pip install --quiet -e " in line]
+    return "pip install -e " + line.split(" -e ", 1)[1]
+
+
 def test_the_two_commands_are_the_readmes_first_and_ci_calls_the_second() -> None:
-    """`make quickstart` runs the README's quick start as written; `make test` sets up as the README's test block
-    does and runs its test command, and `.ci/run` calls `make test` itself."""
+    """`make quickstart` runs the README's quick start as written, after the tiktoken check and a setting up with the
+    plot extra alone; `make test` sets up with the dev extra as the README's test block does and runs its test
+    command, and `.ci/run` calls `make test` itself. What to do offline and how to pick torch's build come before the
+    first command, where a user reads them in time."""
     text = README.read_text()
-    assert [block_commands(b) for _, b in code_blocks(section(text, "Two commands"), "bash")][0] == [
-        "make quickstart",
-        "make test",
-    ]
+    two = section(text, "Two commands")
+    ((offset, first),) = [(o, block_commands(b)) for o, b in code_blocks(two, "bash") if "make quickstart" in b]
+    assert first == ["make quickstart", "make test"]
+    assert "TIKTOKEN_CACHE_DIR" in two[:offset] and 'TORCH="torch --index-url https://download' in two[:offset]
     quickstart = [line.replace("$(BIN)/python ", "python ") for line in make_recipe("quickstart")]
     assert [line.replace(" $(TRAIN_ARGS)", "") for line in quickstart] == quickstart_commands()
     assert "$(TRAIN_ARGS)" in quickstart[1]  # the tests' fewer steps go to train alone
 
+    # The check comes first, with the interpreter that makes the venv: nothing is installed before it.
+    assert make_recipe("tiktoken") == ["$(PYTHON) -m accel_gpt.tiktoken_files"]
+    assert make_prerequisites("quickstart") == ["tiktoken", "setup"]
+    assert make_prerequisites("test") == ["tiktoken", "setup-dev"]
+    assert make_prerequisites("lint") == ["setup-dev"]
+    assert make_prerequisites("setup") == make_prerequisites("setup-dev") == ["venv"]
     by_hand = [block_commands(b) for _, b in code_blocks(section(text, "The same by hand"), "bash")][0]
-    assert by_hand[-1] == 'pip install -e ".[dev,plot]"'  # the extras that setting up installs
+    assert by_hand[-1] == installed_extras(make_recipe("setup")) == 'pip install -e ".[plot]"'
     blocks = [block_commands(body) for _, body in code_blocks(section(text, "Tests"), "bash")]
-    assert blocks[0] == ["python -m pytest -q"]  # by hand, what `make test` runs
+    assert blocks[0] == [installed_extras(make_recipe("setup-dev")), "python -m pytest -q"]  # what `make test` runs
+    assert blocks[0][0] == 'pip install -e ".[dev,plot]"'
     assert blocks[1] == ['python -m pytest -q -m "not slow"']  # the fast subset, named beside the full suite
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^TORCH \?= torch==2\.13\.0$", makefile, re.M)
-    assert re.search(r"^EXTRAS \?= dev,plot$", makefile, re.M)
-    setup = make_recipe("setup")
-    assert any(line.endswith("-m pip install --quiet $(TORCH)") for line in setup)
-    assert setup[-1] == '$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"'
+    assert re.search(r"^\.NOTPARALLEL:", makefile, re.M)  # prerequisites in their order, even under -j
+    assert any(line.endswith("-m pip install --quiet $(TORCH)") for line in make_recipe("venv"))
     assert make_recipe("test") == ["$(BIN)/python -m pytest -q"]
-    assert re.search(r"^test: setup$", makefile, re.M)
     ci = (REPO / ".ci" / "run").read_text()
-    assert re.search(r"^make test$", ci, re.M)
+    assert re.search(r"^make lint$", ci, re.M) and re.search(r"^make test$", ci, re.M)
     assert "TIKTOKEN_CACHE_DIR" in ci and "TIKTOKEN_CACHE_DIR" in text
     assert os.access(REPO / ".ci" / "run", os.X_OK)
 
