@@ -5,6 +5,8 @@ The folder holds model.safetensors + config.json + generation_config.json and th
 (tokenizer.json, and GPT-2's original vocab.json + merges.txt for readers without `tokenizers`), so
 `AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained` and `pipeline` load it offline, and a model
 card, README.md (see `modelcard`), so that it can be shared as it is.
+config.json also records the size of the run's val set (`hf.EVAL_RECORD`), so that `run.py eval` of the folder
+scores the windows `eval` of the run scores, and gives the same val_loss.
 Only the 50,257 real vocabulary rows are written. Everything is staged in a temporary sibling folder
 and renamed into place, so a failure leaves no half-written export and `out_dir` is never merged into.
 
@@ -21,9 +23,11 @@ from pathlib import Path
 
 from accel_gpt.config import ExportConfig
 from accel_gpt.errors import UserError
+from accel_gpt.evaluate.val_loss import run_val_windows
 from accel_gpt.files import make_shareable, replacing
-from accel_gpt.hf import generation_config, to_transformers
+from accel_gpt.hf import EVAL_RECORD, generation_config, to_transformers
 from accel_gpt.modelcard import CARD, model_card
+from accel_gpt.rundir import read_run_config, run_of
 from accel_gpt.tokenizer import GPT2_VOCAB, gpt2_vocab_and_merges
 from accel_gpt.weights import load_model
 
@@ -51,6 +55,9 @@ def export(
         raise UserError(f"{path} has vocab_size={card.model.vocab_size}, fewer than GPT-2's {GPT2_VOCAB} tokens")
     hf_model = to_transformers(model, vocab_size=GPT2_VOCAB)
     hf_model.generation_config = generation_config()
+    windows = val_windows_of_run(path)
+    if windows is not None:
+        setattr(hf_model.config, EVAL_RECORD, {"eval_windows": windows})
     readme = model_card(path, card, hf_model.num_parameters(), license, title or out.name, load_as or str(out_dir))
     vocab, merges = gpt2_vocab_and_merges()
     # byte-level BPE with <|endoftext|> as bos/eos/unk, as GPT-2's own tokenizer
@@ -70,6 +77,18 @@ def export(
     except OSError as e:  # a full or read-only disk; the staging folder is already gone (see `replacing`)
         raise UserError(f"cannot write the export to {out}: {e.strerror or e}") from None
     return out
+
+
+def val_windows_of_run(path: str | Path) -> int | None:
+    """The size of the val set of the run the weights at `path` come from; None for weights without their run (or
+    with a config.yaml that no longer reads, which the card leaves out too)."""
+    run = run_of(path)
+    if run is None:
+        return None
+    try:
+        return run_val_windows(read_run_config(run))
+    except UserError:
+        return None
 
 
 def check_writable(out: Path) -> None:

@@ -107,6 +107,22 @@ def generation_config() -> GenerationConfig:
     return GenerationConfig(bos_token_id=GPT2_EOT, eos_token_id=GPT2_EOT, pad_token_id=GPT2_EOT)
 
 
+# An export's config.json keeps, under this key, what `run.py eval` needs to score it as it scores the run it came
+# from: {"eval_windows": N}, the size of the run's val set. transformers keeps unknown config keys as attributes and
+# writes them back, and nothing in it or in lm-evaluation-harness reads this one.
+EVAL_RECORD = "accel_gpt"
+
+
+def recorded_eval_windows(folder: str | Path) -> int | None:
+    """The eval_windows recorded in the config.json of an export of ours; None for any other folder or hub id."""
+    try:
+        record = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get(EVAL_RECORD)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    windows = record.get("eval_windows") if isinstance(record, dict) else None
+    return windows if isinstance(windows, int) and not isinstance(windows, bool) and windows > 0 else None
+
+
 def to_gpt2(model: GPT, vocab_size: int | None = None) -> GPT2LMHeadModel:
     """A `GPT2LMHeadModel` (CPU, float32, eval mode) with `model`'s weights.
 

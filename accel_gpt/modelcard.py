@@ -24,6 +24,7 @@ from accel_gpt.checkpoint import complete_checkpoints, data_identity, saved_stat
 from accel_gpt.config import TrainConfig, block_defaults, preset_values
 from accel_gpt.data.shards import read_manifest
 from accel_gpt.errors import ConfigError, UserError
+from accel_gpt.evaluate.val_loss import run_val_windows
 from accel_gpt.metrics import METRICS, read_metrics
 from accel_gpt.rundir import ENV_REPORT, read_run_config, run_of
 from accel_gpt.weights import ModelCard
@@ -202,12 +203,9 @@ def _kv_heads(m: Any) -> str:
 
 
 def _val_windows(c: dict[str, Any]) -> str:
-    """The size of the run's val set: eval_windows, or eval_steps x micro_batch_size in a config from before it."""
-    if _int(c.get("eval_windows")):
-        return f"{c['eval_windows']:,}"
-    if _int(c.get("eval_steps")) and _int(c.get("micro_batch_size")):
-        return f"{c['eval_steps'] * c['micro_batch_size']:,}"
-    return "?"
+    """The size of the run's val set (see `run_val_windows`), as the card writes it."""
+    windows = run_val_windows(c)
+    return "?" if windows is None else f"{windows:,}"
 
 
 def _no_run_section(card: ModelCard) -> list[str]:

@@ -4,6 +4,8 @@ Five panels over optimizer steps: train and val loss (and, for a mixture of data
 val loss), val bits per byte (the one curve that compares runs with different tokenizers; a run whose data has
 no byte count simply has no line there), learning rate, HellaSwag accuracy (with a bar of one standard error each
 way where the run logged it: on a few hundred examples the accuracy moves by noise), tokens/s across the bottom.
+HellaSwag's panel is left out when none of the runs scored it (most runs do not), rather than a fifth of the figure
+saying so: the figure is then a row shorter, with throughput beside the learning rate.
 Several runs are overlaid, one colour per run, named by their directory. matplotlib is an optional
 extra (`pip install accel_gpt[plot]`) and is imported only here; the figure is drawn with the Agg
 canvas directly (no pyplot), so no display or GUI backend is ever touched.
@@ -45,7 +47,8 @@ class Panel:
     title: str
     ylabel: str
     curves: tuple[Curve, ...]
-    empty_note: str  # shown instead of lines when no run logged any of the panel's metrics
+    # shown instead of lines when no run logged any of the panel's metrics; None: the panel is left out then
+    empty_note: str | None
     baseline: tuple[float, str] | None = None  # a reference level drawn under the runs, with its label
 
 
@@ -67,15 +70,18 @@ PANELS = (
         "HellaSwag",
         "accuracy (bars: ± 1 standard error)",
         (Curve("hellaswag_acc_norm", "-", "acc_norm", True), Curve("hellaswag_acc", ":", "acc", True)),
-        "no HellaSwag evaluations\n(train with --hellaswag_every N --hellaswag SRC)",
+        None,
         baseline=(0.25, "chance (1 in 4)"),  # four endings per example: a model that learned nothing
     ),
     Panel("throughput", "tokens/s", (Curve("tokens_per_sec", "-", "tokens/s", False),), "no throughput logged"),
 )
 
 
-# Where each panel goes: the two validation measures side by side on top, throughput across the bottom.
+# Where each panel goes: the two validation measures side by side on top, throughput across the bottom; without
+# HellaSwag, throughput takes its place and the figure is a row shorter.
 LAYOUT = [["loss", "val bits per byte"], ["learning rate", "HellaSwag"], ["throughput", "throughput"]]
+LAYOUT_WITHOUT_HELLASWAG = [["loss", "val bits per byte"], ["learning rate", "throughput"]]
+ROW_INCHES = 11 / 3  # the figure is 12 inches wide, 11 high for three rows
 SOURCE_MARKERS = ("s", "^", "v", "D", "P", "X", "*")
 # A mixture's per-source metrics (`<metric>/<folder name>`), by the panel that draws them.
 SOURCE_PREFIXES = {"loss": "val_loss/", "val bits per byte": "val_bpb/"}
@@ -190,14 +196,21 @@ def make_figure(runs: Sequence[RunMetrics]) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(12, 11), layout="constrained")
+    panels = [panel for panel in PANELS if panel.empty_note is not None or has_values(panel, runs)]
+    layout = LAYOUT if any(panel.title == "HellaSwag" for panel in panels) else LAYOUT_WITHOUT_HELLASWAG
+    figure = Figure(figsize=(12, ROW_INCHES * len(layout)), layout="constrained")
     FigureCanvasAgg(figure)
     colors = [f"C{i % 10}" for i in range(len(runs))]
-    axes = figure.subplot_mosaic(LAYOUT)
-    for panel in PANELS:
+    axes = figure.subplot_mosaic(layout)
+    for panel in panels:
         draw_panel(axes[panel.title], panel, runs, colors)
     figure.suptitle(", ".join(run.label for run in runs) if len(runs) <= 3 else f"{len(runs)} runs")
     return figure
+
+
+def has_values(panel: Panel, runs: Sequence[RunMetrics]) -> bool:
+    """Whether any run logged a value of one of the panel's own metrics."""
+    return any(run.series(curve.key)[0] for run in runs for curve in panel.curves)
 
 
 def draw_panel(ax: Axes, panel: Panel, runs: Sequence[RunMetrics], colors: Sequence[str]) -> None:

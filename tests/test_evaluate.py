@@ -484,7 +484,10 @@ def test_data_without_byte_counts_gives_no_bpb_and_says_so_once(
     out, err = capsys.readouterr()
     (result,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert "val_bpb" not in result and math.isfinite(result["val_loss"])
-    assert err.splitlines() == [f"note: {no_bpb_note([str(old)])}"]
+    assert err.splitlines() == [
+        f"val_loss: scoring 4 windows of {TINY.seq_len} tokens (--eval_windows)",
+        f"note: {no_bpb_note([str(old)])}",
+    ]
     assert "prepare command that wrote it again" in err
 
     from accelerate.state import AcceleratorState
@@ -779,6 +782,37 @@ def test_eval_of_a_run_from_before_eval_windows_uses_its_eval_steps(tiny_run: Pa
 
 
 @pytest.mark.slow
+def test_an_export_scores_as_its_run_does_by_default(tiny_run: Path, tmp_path: Path, one_rank: None, capsys) -> None:
+    """`eval` of a run's export, with no flags, scores the run's val set (eval_windows 6, recorded in the export's
+    config.json; not eval's default of 160): the val_loss of `eval` of the run, and the one it logged; each says on
+    stderr how many windows it scored and why, and in its JSON."""
+    from accel_gpt.export import export
+    from accel_gpt.hf import EVAL_RECORD
+
+    out = export(tiny_run, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())[EVAL_RECORD] == {"eval_windows": 6}
+    data_dir = yaml.safe_load((tiny_run / "config.yaml").read_text())["data_dir"]
+    results, said = [], []
+    for weights in (tiny_run, out):
+        main(["eval", "--checkpoint", str(weights), "--data_dir", data_dir])
+        printed, err = capsys.readouterr()
+        results += [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+        said += [line for line in err.splitlines() if line.startswith("val_loss: scoring")]
+    assert said == [
+        "val_loss: scoring 6 windows of 64 tokens (the run's eval_windows, from its config.yaml)",
+        "val_loss: scoring 6 windows of 64 tokens (the eval_windows of the run it was exported from, recorded in its "
+        "config.json)",
+    ]
+    run, exported = results
+    assert run["eval_windows"] == exported["eval_windows"] == 6
+    assert exported["val_loss"] == pytest.approx(run["val_loss"], abs=1e-5)  # batches of 8 against the run's 2
+    logged = {row["step"]: row for row in read_metrics(tiny_run / "metrics.jsonl")}
+    assert exported["val_loss"] == pytest.approx(logged[4]["val_loss"], abs=1e-4)
+    flags = eval_here(capsys, "--checkpoint", str(out), "--data_dir", data_dir, "--eval_windows", "40")
+    assert flags["eval_windows"] == 40 and abs(flags["val_loss"] - exported["val_loss"]) > 1e-4  # a flag still wins
+
+
+@pytest.mark.slow
 def test_a_run_logs_and_sums_up_its_val_bpb(tiny_run: Path) -> None:
     """Each evaluation row of metrics.jsonl has val_bpb = val_loss / ln 2 * tokens / bytes of the prepared val split
     (3,000 tokens of Shakespeare), and the summary line ends the run with the last one."""
@@ -804,6 +838,7 @@ def test_weights_without_their_run_take_the_default_settings(
     assert (result["eval_windows"], result["batch_size"]) == (12, 8)
     note = f"the val split of {val_data} holds 12 windows of {TINY.seq_len} tokens, fewer than eval_windows=160: "
     assert err.count(note + "validation uses all 12") == 1, err
+    assert f"val_loss: scoring 12 windows of {TINY.seq_len} tokens (the default eval_windows; --eval_windows N" in err
     same = ("--checkpoint", str(tiny_checkpoint), "--data_dir", str(val_data), "--eval_windows", "12")
     assert result["val_loss"] == pytest.approx(eval_here(capsys, *same, "--batch_size", "5")["val_loss"], abs=1e-6)
 

@@ -3,22 +3,25 @@
 The card is checked against the run's own files (config.yaml, metrics.jsonl, the checkpoints' data record), its
 training command by parsing it back into the run's config, and its account of transformers' length limits by
 calling transformers. The upload is replaced at the boundary only (`huggingface_hub.create_repo`/`upload_folder`);
-the offline, no-token and no-network refusals go through the real command line.
+the offline, no-token and no-network refusals go through the real command line. The page's offline
+lm-evaluation-harness recipe (the task file in lm_eval_tasks/) runs as written on an export of a tiny run.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import front_matter, python_cmd, run_cmd, table
+from conftest import HELLASWAG, REPO, front_matter, python_cmd, run_cmd, subprocess_env, table
 from transformers import GPT2LMHeadModel, pipeline
 
 from accel_gpt.cli import main as cli_main
@@ -296,3 +299,76 @@ def test_exported_weights_still_load(weights_only, tmp_path) -> None:
     out = export(weights_only, tmp_path / "hf")
     model = GPT2LMHeadModel.from_pretrained(out)
     assert model.generation_config.eos_token_id == GPT2_EOT
+
+
+# ------------------------------------------------------------------------------------------- lm-evaluation-harness
+
+TASKS = REPO / "lm_eval_tasks"
+
+
+def export_page_commands() -> list[str]:
+    """The command lines of docs/export.md's bash blocks."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", (REPO / "docs" / "export.md").read_text(), re.M | re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def local_rows_path() -> str:
+    """Where the task file reads its rows, relative to the folder lm_eval runs in."""
+    task = yaml.safe_load((TASKS / "hellaswag_local.yaml").read_text())
+    return task["dataset_kwargs"]["data_files"]["validation"]
+
+
+@pytest.mark.slow
+def test_the_local_task_asks_what_the_harness_hellaswag_asks(tmp_path: Path, monkeypatch) -> None:
+    """`hellaswag_local` builds the prompts, endings and answer of the harness's own `hellaswag` task from the same
+    rows: the 50 of tests/data, and a WikiHow row with the markers and double spaces the release's file holds."""
+    import datasets
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks.hellaswag.utils import process_docs
+
+    wikihow = {
+        "activity_label": "Home and Garden",
+        "ctx_a": "[header] How to clean a sink. [title] Rinse the basin.  [step] Run warm water.",
+        "ctx_b": "then you",
+        "endings": ["[substeps] scrub  it [title] well.", "wait.", "leave [step] it.", " dry it. "],
+        "label": 1,
+    }
+    rows = [json.loads(line) for line in HELLASWAG.read_text().splitlines()] + [wikihow]
+    path = tmp_path / local_rows_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    monkeypatch.chdir(tmp_path)
+    task = TaskManager(include_path=str(TASKS)).load(["hellaswag_local"])["tasks"]["hellaswag_local"]
+    ours = list(task.validation_docs())
+    theirs = process_docs(datasets.Dataset.from_list(rows))
+    assert len(ours) == len(theirs) == 51
+    for doc, reference in zip(ours, theirs, strict=True):
+        assert task.doc_to_text(doc) == reference["query"]
+        assert task.doc_to_choice(doc) == reference["choices"]
+        assert task.doc_to_target(doc) == reference["gold"]
+    assert "[" not in task.doc_to_text(ours[-1]) + "".join(task.doc_to_choice(ours[-1]))  # the markers are gone
+
+
+@pytest.mark.slow
+def test_the_offline_lm_eval_recipe_scores_an_export(tiny_run: Path, tmp_path: Path) -> None:
+    """docs/export.md's offline lm-evaluation-harness command, as written, in a folder laid out as the page says (the
+    export, the rows where the task file reads them, lm_eval_tasks/): offline, it scores the 50 local rows and
+    reports acc and acc_norm."""
+    (command,) = [c for c in export_page_commands() if c.startswith("lm_eval") and "--include_path" in c]
+    words = shlex.split(command)
+    model_args = words[words.index("--model_args") + 1]
+    export(tiny_run, tmp_path / model_args.removeprefix("pretrained="))
+    rows = tmp_path / local_rows_path()
+    rows.parent.mkdir(parents=True)
+    shutil.copy(HELLASWAG, rows)
+    (tmp_path / words[words.index("--include_path") + 1]).symlink_to(TASKS, target_is_directory=True)
+    argv = [sys.executable, "-m", "lm_eval", *words[1:], "--output_path", "results"]
+    proc = subprocess.run(argv, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    (saved,) = (tmp_path / "results").rglob("results_*.json")
+    report = json.loads(saved.read_text())
+    scores = report["results"]["hellaswag_local"]
+    assert report["n-samples"]["hellaswag_local"]["effective"] == 50
+    assert 0 <= scores["acc_norm,none"] <= 1 and 0 <= scores["acc,none"] <= 1
+    assert scores["acc_norm_stderr,none"] > 0
+    assert re.search(r"\|\s*acc_norm\s*\|", proc.stdout), proc.stdout[-3000:]

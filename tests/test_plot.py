@@ -116,11 +116,19 @@ def test_figure_panels_hold_each_runs_series(tmp_path: Path) -> None:
     assert tokens == ["a", "b"]
 
 
-def test_panel_without_data_says_how_to_get_it(tmp_path: Path) -> None:
-    panels = axes_by_title(make_figure(load_runs([write_run(tmp_path / "a", 4, hellaswag=False)])))
-    assert panels["HellaSwag"].get_lines() == []
-    notes = [text.get_text() for text in panels["HellaSwag"].texts]
-    assert any("--hellaswag_every" in note for note in notes)
+def test_runs_that_never_scored_hellaswag_get_no_hellaswag_panel(tmp_path: Path, capsys) -> None:
+    """Four panels in two rows (throughput beside the learning rate) and a figure a row shorter; one run that scored
+    HellaSwag among them brings the panel back."""
+    a, b = write_run(tmp_path / "a", 4, hellaswag=False), write_run(tmp_path / "b", 8, hellaswag=False)
+    panels = axes_by_title(make_figure(load_runs([a, b])))
+    assert set(panels) == {"loss", "val bits per byte", "learning rate", "throughput"}
+    assert panels["throughput"].get_position().y1 < panels["loss"].get_position().y0  # below, not beside
+    assert [line.get_label() for line in panels["throughput"].get_lines()] == ["a", "b"]
+    out = tmp_path / "runs.png"
+    run_plot(PlotConfig(run_dirs=[str(a), str(b)], out=str(out)))
+    assert png_size(out) == (1320, 806)  # 12 x 7.33 inches at 110 dpi
+    with_hellaswag = load_runs([a, write_run(tmp_path / "c", 8, hellaswag=True)])
+    assert "HellaSwag" in axes_by_title(make_figure(with_hellaswag))
 
 
 def test_val_bpb_panel_draws_the_runs_that_logged_it(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ The validation loss is the mean over the first `eval_windows` windows of the val
 when it holds fewer): the same value, to float round-off, for any batch size or number of processes. For a run's
 weights (a run dir or one of its checkpoints) it defaults to the run's own val set (its config.yaml; `eval_steps x
 micro_batch_size` in a config written before eval_windows existed): `eval` then reports the val_loss the run logged
-for those weights. Flags override it; weights without their run default to 160 windows in batches of 8.
+for those weights. An export of a run records that size in its config.json (see `hf.EVAL_RECORD`), so the export
+scores as its run does. Flags override it; other weights default to 160 windows, and weights without their run to
+batches of 8. One line on stderr says how many windows are scored and where that number came from.
 """
 
 from __future__ import annotations
@@ -39,8 +41,15 @@ from accel_gpt.evaluate.hellaswag import (
     load_hellaswag,
     score_hellaswag,
 )
-from accel_gpt.evaluate.val_loss import bits_per_byte, evaluate_loss, no_bpb_note, short_split_note
+from accel_gpt.evaluate.val_loss import (
+    bits_per_byte,
+    evaluate_loss,
+    no_bpb_note,
+    run_val_windows,
+    short_split_note,
+)
 from accel_gpt.files import atomic_write
+from accel_gpt.hf import recorded_eval_windows
 from accel_gpt.rundir import read_run_config, run_of
 from accel_gpt.runtime import make_accelerator
 from accel_gpt.tokenizer import Tokenizer
@@ -51,7 +60,7 @@ DEFAULT_BATCH_SIZE = 8
 
 
 def run_eval(cfg: EvalConfig) -> None:
-    cfg = with_run_settings(cfg)
+    cfg, windows_from = with_run_settings(cfg)
     if cfg.out:
         check_out_path(Path(cfg.out))  # before minutes of scoring, not after
     accelerator = make_accelerator()
@@ -70,6 +79,8 @@ def run_eval(cfg: EvalConfig) -> None:
         check_vocabulary(card.model.vocab_size)
     windows, per_byte = val_data(cfg, card) if cfg.data_dir else (None, None)  # checked before anything is scored
     if windows is not None and accelerator.is_main_process:
+        scoring = f"val_loss: scoring {len(windows)} windows of {card.model.seq_len} tokens ({windows_from})"
+        print(scoring, file=sys.stderr)
         if len(windows) < cfg.eval_windows:
             note = short_split_note(cfg.data_dir, len(windows), cfg.eval_windows, card.model.seq_len)
             print(f"note: {note}", file=sys.stderr)
@@ -106,22 +117,24 @@ def scoring_line(count: int, limit: int) -> str:
     return f"HellaSwag: scoring the first {count:,} examples (4 endings each)"
 
 
-def with_run_settings(cfg: EvalConfig) -> EvalConfig:
-    """`cfg` with eval_windows and batch_size set: the flags (`--eval_steps` counts batches of the batch size), else
-    the run's own (see the module), else the defaults (also for a run that never evaluated)."""
+def with_run_settings(cfg: EvalConfig) -> tuple[EvalConfig, str]:
+    """`cfg` with eval_windows and batch_size set, and where the number of windows came from, in words: the flags
+    (`--eval_steps` counts batches of the batch size), else the run's own (see the module), else what an export
+    recorded of its run, else the defaults."""
     run = run_of(cfg.checkpoint) if cfg.eval_windows is None or cfg.batch_size is None else None
     saved = read_run_config(run) if run is not None else {}
     saved_batch = saved.get("micro_batch_size") if _positive(saved.get("micro_batch_size")) else None
     batch = cfg.batch_size or saved_batch or DEFAULT_BATCH_SIZE
     if cfg.eval_windows is not None or cfg.eval_steps is not None:
         windows, _ = resolve_eval_windows(cfg.eval_windows, cfg.eval_steps, batch)
-    elif _positive(saved.get("eval_windows")):
-        windows = saved["eval_windows"]
-    elif _positive(saved.get("eval_steps")) and saved_batch:  # a config.yaml from before eval_windows
-        windows = saved["eval_steps"] * saved_batch
+        source = "--eval_windows" if cfg.eval_steps is None else f"--eval_steps {cfg.eval_steps} x batch size {batch}"
+    elif (windows := run_val_windows(saved)) is not None:
+        source = "the run's eval_windows, from its config.yaml"
+    elif (windows := recorded_eval_windows(cfg.checkpoint)) is not None:
+        source = "the eval_windows of the run it was exported from, recorded in its config.json"
     else:
-        windows = DEFAULT_EVAL_WINDOWS
-    return replace(cfg, eval_windows=windows, eval_steps=None, batch_size=batch)
+        windows, source = DEFAULT_EVAL_WINDOWS, "the default eval_windows; --eval_windows N scores another number"
+    return replace(cfg, eval_windows=windows, eval_steps=None, batch_size=batch), source
 
 
 def _positive(value: Any) -> bool:

@@ -16,6 +16,7 @@ evaluated (its first `eval_windows` windows): the split's average bytes per toke
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,3 +65,17 @@ def short_split_note(data_dir: str, have: int, asked: int, seq_len: int) -> str:
         f"the val split of {data_dir} holds {have} windows of {seq_len} tokens, fewer than eval_windows={asked}: "
         f"validation uses all {have}"
     )
+
+
+def run_val_windows(config: dict[str, Any]) -> int | None:
+    """The size of a run's val set from its config.yaml as written: `eval_windows`, or `eval_steps x micro_batch_size`
+    in a config from before eval_windows existed (the set those runs logged); None where it records neither."""
+    if _positive(config.get("eval_windows")):
+        return config["eval_windows"]
+    if _positive(config.get("eval_steps")) and _positive(config.get("micro_batch_size")):
+        return config["eval_steps"] * config["micro_batch_size"]
+    return None
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
