@@ -53,10 +53,11 @@ OTHER_COMMANDS = {
     "source .venv/bin/activate": "the shell's source of the venv",
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": "torch's CPU build (pytorch.org)",
     'export MAIN_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)': "SLURM: the first node's name",
-    'pip install "lm_eval[hf]>=0.4.13"': "lm-evaluation-harness, the version measured in bench/RESULTS.md",
     "lm_eval --model hf --model_args pretrained=exports/tiny-cpu-128 --tasks hellaswag": (
         "lm-evaluation-harness's CLI (reads the hub); run offline against `run.py eval` in bench/RESULTS.md"
     ),
+    "lm_eval --model hf --model_args pretrained=exports/tiny-cpu-128 --tasks hellaswag_local --include_path "
+    "lm_eval_tasks": "its offline twin: test_export_card.py::test_the_offline_lm_eval_recipe_scores_an_export",
 }
 
 
@@ -274,12 +275,15 @@ def test_resume_continues_the_run(quickstart: QuickStart, tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_two_cpu_processes_train_like_one(quickstart: QuickStart) -> None:
-    """The 2-process CPU launch (cpu_2proc.yaml), then the plot comparing it with the quick start."""
+    """The page's one-process run and 2-process CPU launch (cpu_2proc.yaml), one thread each, then the plot comparing
+    them."""
     work, _ = quickstart
+    single = doc_command("docs/distributed.md", "OMP_NUM_THREADS=1 python run.py train", "--config tiny-cpu")
+    run_documented(single, work, FEW_STEPS)
     launch = "OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_2proc.yaml run.py"
     out = run_documented(doc_command("docs/distributed.md", launch, "--config tiny-cpu"), work, FEW_STEPS).stderr
     assert "2 process(es)" in out and "finished at step 3/3" in out
-    one, two = metrics(work / "runs" / "tiny-cpu"), metrics(work / "runs" / "tiny-cpu-2proc")
+    one, two = metrics(work / "runs" / "tiny-cpu-1proc"), metrics(work / "runs" / "tiny-cpu-2proc")
     assert [r["lr"] for r in two] == [r["lr"] for r in one]
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], abs=1e-4)
 
