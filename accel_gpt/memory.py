@@ -12,7 +12,10 @@ The need per process:
 - activations of one micro-batch: what autograd keeps per token and layer (`SAVED_BYTES_PER_WIDTH`), or with
   activation checkpointing the block inputs plus one block;
 - the LM head: logits, their fp32 copy, the log-softmax and its gradient, over micro_batch_size x seq_len tokens
-  (`loss_chunk` rows at a time when set), which for GPT-2's 50,304 ids is most of a small model's need.
+  (`loss_chunk` rows at a time when set), which for GPT-2's 50,304 ids is most of a small model's need;
+- on a CPU, the freed buffers glibc keeps (`runtime.keep_freed_memory`): a step's transient buffers, the logits'
+  copies first, are kept for reuse and not all fit the next requests, so the resident peak runs over what is alive
+  at once by a share of the activations measured per block (`KEPT_PER_ACTIVATION`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from accelerate.utils import DistributedType
 
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError
+from accel_gpt.runtime import keeps_freed_memory
 
 logger = get_logger(__name__)
 
@@ -36,10 +40,14 @@ logger = get_logger(__name__)
 # half-precision autocast: measured with saved-tensor hooks (tests/test_memory.py measures them again). Under
 # autocast the norms' outputs and the residual stream stay fp32, so half precision saves less than half.
 SAVED_BYTES_PER_WIDTH = {("gpt2", False): 65, ("gpt2", True): 61, ("nanochat", False): 57, ("nanochat", True): 74}
-# A CPU process's resident peak over the tensors' need: glibc keeps freed buffers for reuse (`keep_freed_memory`),
-# and their sizes do not always fit the next request. Measured 1.2-3.0x on tiny-cpu at 8 sequences per micro-batch
-# (tests/test_memory.py); a GPU's caching allocator is counted by torch itself.
-CPU_RESIDENT_FACTOR = 1.5
+# Freed buffers glibc keeps on a CPU (`keep_freed_memory`), per byte of activations, by block: the resident peak over
+# the tensors alive at once. Measured on tiny-cpu's shape over 1 to 32 sequences per micro-batch (bench/RESULTS.md,
+# "Memory"): the peak ran 1.3-2.6x the activations over the states under GPT-2's block, 1.7-2.4x under nanochat's,
+# whose soft-capped logits make more transient copies; with glibc's defaults (buffers returned) it stayed under the
+# estimate without them. A GPU's caching allocator is counted by torch itself.
+KEPT_PER_ACTIVATION = {"gpt2": 0.6, "nanochat": 1.1}
+# What a CPU run must have free over its estimate: the spread of the kept share between identical runs (+-20%).
+CPU_RESIDENT_FACTOR = 1.25
 # fp32 tensors over the logits that the loss keeps alive at its peak (log-softmax, its gradient, the logits' fp32
 # copy), and one more where the soft-cap's tanh is kept.
 LOGIT_COPIES = 3
@@ -53,23 +61,31 @@ class MemoryNeed:
     gradients: int
     optimizer: int
     activations: int
+    kept: int = 0  # freed buffers the allocator keeps (CPU)
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.activations + self.kept
 
     def describe(self) -> str:
-        parts = ("weights", "gradients", "optimizer", "activations")
-        return f"about {gb(self.total)} per process ({', '.join(f'{p} {gb(getattr(self, p))}' for p in parts)})"
+        parts = ("weights", "gradients", "optimizer", "activations") + (("kept",) if self.kept else ())
+        names = {"kept": "freed buffers kept"}
+        said = ", ".join(f"{names.get(p, p)} {gb(getattr(self, p))}" for p in parts)
+        return f"about {gb(self.total)} per process ({said})"
 
 
-def estimate(cfg: TrainConfig, params: int, muon_params: int, processes: int, fsdp: bool, half: bool) -> MemoryNeed:
+def estimate(
+    cfg: TrainConfig, params: int, muon_params: int, processes: int, fsdp: bool, half: bool, kept: bool = False
+) -> MemoryNeed:
     """The need of `cfg` with `params` parameters (`muon_params` of them Muon's), on one of `processes` processes
-    (FSDP shards the states over them); `half`: bf16/fp16 autocast."""
+    (FSDP shards the states over them); `half`: bf16/fp16 autocast; `kept`: a CPU whose allocator keeps freed
+    buffers."""
     share = processes if fsdp else 1
     weights = 4 * params // share + (2 * params if half else 0)
     optimizer = (4 * muon_params + 8 * (params - muon_params)) if cfg.optimizer == "muon" else 8 * params
-    return MemoryNeed(weights, 4 * params // share, optimizer // share, activation_bytes(cfg, half))
+    activations = activation_bytes(cfg, half)
+    held = int(KEPT_PER_ACTIVATION[cfg.arch] * activations) if kept else 0
+    return MemoryNeed(weights, 4 * params // share, optimizer // share, activations, held)
 
 
 def activation_bytes(cfg: TrainConfig, half: bool) -> int:
@@ -202,7 +218,9 @@ def budget(cfg: TrainConfig, accelerator: Accelerator) -> MemoryBudget:
     params, matrices = parameter_counts(cfg)
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     half = accelerator.mixed_precision in ("bf16", "fp16")
-    need = estimate(cfg, params, matrices if cfg.optimizer == "muon" else 0, accelerator.num_processes, fsdp, half)
+    kept = accelerator.device.type == "cpu" and keeps_freed_memory()
+    muon = matrices if cfg.optimizer == "muon" else 0
+    need = estimate(cfg, params, muon, accelerator.num_processes, fsdp, half, kept)
     check_fits(need, room, cfg, accelerator.device)
     return MemoryBudget(need, room, peak)
 

@@ -238,14 +238,27 @@ def keep_freed_memory() -> bool:
     losses, +31% peak memory). Returns False where the C library is not glibc, or where the user already set
     glibc's malloc tunables in the environment (theirs win).
     """
-    if any(k in os.environ for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc_mallopt()
+    if mallopt is None:
         return False
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's malloc.h
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def _glibc_mallopt() -> Callable[[int, int], int] | None:
+    """glibc's mallopt, where the C library is glibc and the user set none of its malloc tunables (theirs win)."""
+    if any(k in os.environ for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
+
+
+def keeps_freed_memory() -> bool:
+    """Whether a CPU run here keeps freed buffers (`keep_freed_memory` takes effect): what the memory estimate
+    counts the kept buffers for."""
+    return _glibc_mallopt() is not None
 
 
 def stop_signals() -> list[signal.Signals]:
