@@ -118,6 +118,11 @@ def sample_ids(
     if max_new_tokens < 0 or num_samples < 1:
         raise UserError(f"need max_new_tokens >= 0 and num_samples >= 1, got {max_new_tokens} and {num_samples}")
     ids = encode_prompt(tokenizer, prompt)
+    if max(ids) >= cfg.vocab_size:  # a model with fewer ids than its tokenizer: trained with another one
+        raise UserError(
+            f"the prompt's token {max(ids)} is past the model's {cfg.vocab_size} ids: its embedding was not made for "
+            f"this tokenizer ({tokenizer.name}), so it was trained with another one"
+        )
     device = torch.device(device)
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)

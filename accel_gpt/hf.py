@@ -27,7 +27,7 @@ import torch
 
 from accel_gpt.errors import UserError
 from accel_gpt.model import GPT, RMS_EPS, GPTConfig
-from accel_gpt.tokenizer import GPT2_EOT
+from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, NanoChatConfig, NanoChatForCausalLM
@@ -201,6 +201,7 @@ def load_transformers(path_or_id: str, vocab_size: int | None = None) -> GPT:
     try:
         hf_config = AutoConfig.from_pretrained(path_or_id)
         _CONFIGS[_arch(hf_config)](hf_config)  # refuse other architectures and variants before reading weights
+        check_gpt2_tokenizer(path_or_id)
         check_pickled_weights(Path(path_or_id))
         with quiet_transformers():  # its load report would print a table of the gaps refused below in one line
             hf_model, info = AutoModelForCausalLM.from_pretrained(
@@ -218,17 +219,44 @@ def load_transformers(path_or_id: str, vocab_size: int | None = None) -> GPT:
     return from_transformers(hf_model, vocab_size)
 
 
+def check_gpt2_tokenizer(path_or_id: str) -> None:
+    """accel_gpt reads a transformers folder's ids as GPT-2's: refuse one whose tokenizer files hold another
+    vocabulary (a NanoChat checkpoint's 32,768 or 65,536 tokens, a Llama-style tokenizer.json), which would give
+    meaningless text, a cropped export, or an index error on the first prompt id past its embedding. A folder without
+    tokenizer files is taken as GPT-2's (its ids are checked where they are used)."""
+    folder = Path(path_or_id)
+    try:
+        if (folder / "tokenizer.json").is_file():
+            model = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("model") or {}
+            ids = len(model.get("vocab") or {})
+        elif (folder / "vocab.json").is_file():
+            ids = len(json.loads((folder / "vocab.json").read_text(encoding="utf-8")))
+        else:
+            return
+    except (OSError, ValueError, TypeError, AttributeError):
+        return  # unreadable tokenizer files: transformers' own load says what is wrong with the folder
+    if ids != GPT2_VOCAB:
+        raise UserError(
+            f"'{path_or_id}' has a tokenizer of {ids:,} tokens, not GPT-2's {GPT2_VOCAB:,}: accel_gpt reads "
+            "transformers folders with GPT-2's tokenizer only, and their ids in another would mean other text"
+        )
+
+
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """transformers' warnings off for a call whose outcome is checked here."""
+    """transformers' warnings and its weight-loading progress bar off for a call whose outcome is checked here (the
+    bar would come before any error line about the folder)."""
     from transformers.utils import logging as hf_logging
 
-    level = hf_logging.get_verbosity()
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _ties_head(hf_config: Any) -> bool:

@@ -141,6 +141,20 @@ def _unsafe_transformers_folder(folder: Path) -> Path:
     return folder
 
 
+def _other_tokenizer_folders(root: Path) -> tuple[Path, Path]:
+    """Transformers folders trained with another tokenizer than GPT-2's: one of 1,000 ids and no tokenizer files,
+    one with a tokenizer.json of 65,536 tokens (as a NanoChat checkpoint ships)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    few, own = root / "few_ids", root / "own_tokenizer"
+    shape = dict(n_layer=1, n_head=2, n_embd=16, n_positions=32, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=1000, **shape)).save_pretrained(few)
+    GPT2LMHeadModel(GPT2Config(vocab_size=65536, **shape)).save_pretrained(own)
+    vocab = {f"t{i}": i for i in range(65536)}
+    (own / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab, "merges": []}}))
+    return few, own
+
+
 def _prepared(source: Path, out_dir: Path) -> Path:
     """A finished single-part prepare of `source`, made in this process."""
     from accel_gpt.config import PrepareConfig
@@ -209,6 +223,7 @@ def build_cases(root: Path, s: dict[str, Path], read_only: Path | None) -> dict[
     config.write_text(config.read_text()[:30])
     shutil.copytree(s["gpt2_model"], root / "mistyped" / "runs" / "tiny-cpu")
     _unsafe_transformers_folder(root / "unsafe" / "export")
+    few, own = _other_tokenizer_folders(root / "other_tokenizer")
     (root / "plot_folder" / "runs.png").mkdir()
 
     gpt2, char, hs = str(s["gpt2_model"]), str(s["char_model"]), str(HELLASWAG)
@@ -263,6 +278,20 @@ def build_cases(root: Path, s: dict[str, Path], read_only: Path | None) -> dict[
         "sample_unsafe_pickle": Case(
             ["sample", "--checkpoint", str(root / "unsafe" / "export")],
             "refused as unsafe, since unpickling it could run arbitrary code",
+        ),
+        "sample_model_with_fewer_ids_than_the_prompt": Case(
+            ["sample", "--checkpoint", str(few), "--prompt", "Hello there"],
+            "the prompt's token 15496 is past the model's 1000 ids: its embedding was not made for this tokenizer",
+        ),
+        "eval_model_with_fewer_ids_than_the_shards": Case(
+            ["eval", "--checkpoint", str(few), "--data_dir", str(s["gpt2_data"])],
+            "but the model's vocab_size is 1000; the model has fewer ids than the data's tokenizer: it was trained "
+            "with another one, so these shards cannot score it",
+        ),
+        "sample_folder_with_its_own_tokenizer": Case(
+            ["sample", "--checkpoint", str(own)],
+            f"'{own}' has a tokenizer of 65,536 tokens, not GPT-2's 50,257: accel_gpt reads transformers folders "
+            "with GPT-2's tokenizer only",
         ),
         "plot_out_is_a_folder": Case(
             ["plot", str(s["run"]), "--out", str(root / "plot_folder" / "runs.png")], "is a folder; give a file name"
@@ -334,6 +363,9 @@ CASE_NAMES = [
     "sample_temperature_nan",
     "sample_mistyped_checkpoint",
     "sample_unsafe_pickle",
+    "sample_model_with_fewer_ids_than_the_prompt",
+    "eval_model_with_fewer_ids_than_the_shards",
+    "sample_folder_with_its_own_tokenizer",
     "plot_out_is_a_folder",
     "sample_cuda_without_cuda",
     "prepare_read_only_out_dir",

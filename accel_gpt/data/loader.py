@@ -249,12 +249,14 @@ class WindowSampler(Sampler[int]):
 # ------------------------------------------------------------------------------------------ opening the data
 
 
-def check_vocab(manifest: dict[str, Any], model_vocab_size: int, data_dir: str | Path) -> None:
-    """Token ids must index the model's embedding; a larger data vocabulary would crash mid-run."""
-    if manifest["vocab_size"] > model_vocab_size:
+def check_vocab(manifest: dict[str, Any], model_vocab_size: int, data_dir: str | Path, fix: str = "") -> None:
+    """Token ids must index the model's embedding; a larger data vocabulary would crash mid-run. `fix`: what to do,
+    where the model's size is not a setting (train's default: set vocab_size)."""
+    size = manifest["vocab_size"]
+    if size > model_vocab_size:
         raise DataError(
-            f"the shards in {data_dir} use a {manifest['tokenizer']} vocabulary of {manifest['vocab_size']} tokens "
-            f"but the model's vocab_size is {model_vocab_size}; set vocab_size >= {manifest['vocab_size']}"
+            f"the shards in {data_dir} use a {manifest['tokenizer']} vocabulary of {size} tokens "
+            f"but the model's vocab_size is {model_vocab_size}; {fix or f'set vocab_size >= {size}'}"
         )
 
 

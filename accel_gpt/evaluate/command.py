@@ -146,7 +146,8 @@ def val_data(cfg: EvalConfig, card: ModelCard) -> tuple[Subset, float | None]:
     and the val split's tokens per byte (None when its manifest counts no bytes)."""
     manifest = read_manifest(cfg.data_dir)
     check_same_tokenizer(manifest, card.tokenizer, cfg.data_dir, cfg.checkpoint)
-    check_vocab(manifest, card.model.vocab_size, cfg.data_dir)
+    fewer = "the model has fewer ids than the data's tokenizer: it was trained with another one, so these shards "
+    check_vocab(manifest, card.model.vocab_size, cfg.data_dir, fewer + "cannot score it")
     windows = val_windows(cfg.data_dir, card.model.seq_len, cfg.eval_windows)
     return windows, shards.tokens_per_byte(manifest, "val")
 
