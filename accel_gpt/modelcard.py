@@ -275,7 +275,11 @@ def _commands_section(card: ModelCard) -> list[str]:
         end = segments[i + 1]["from_step"] if i + 1 < len(segments) else card.step
         if len(segments) > 1:
             parts.append(f"Steps {segment['from_step'] + 1:,} to {end:,}:")
-        parts.append("```bash\n" + training_command(segment["config"], segment.get("processes")) + "\n```")
+        command = training_command(segment["config"], segment.get("processes"))
+        if i:  # a resumed segment: the same run folder, continued from its checkpoint
+            resume = str(segment["config"].get("resume") or "none")
+            command += " --resume " + shlex.quote("auto" if resume == "none" else resume)
+        parts.append("```bash\n" + command + "\n```")
     return parts
 
 

@@ -461,6 +461,8 @@ def test_the_card_of_best_weights_tells_how_they_were_picked_and_the_command_tha
     both = body.split("### Commands\n\n", 1)[1].split("\n## ", 1)[0]
     assert "--gelu" not in both and "--bias" not in both  # settings left unset are not spelled out
     assert "Steps 1 to 6:" in both and "Steps 7 to 10:" in both and "--learning_rate 1.0" in both.split("Steps 7")[1]
+    first, resumed = both.split("Steps 7")
+    assert "--resume" not in first and "--resume auto" in resumed, "the resumed command continues the run"
 
 
 # What a save on a full disk says: what the write needed, and what was free before it.
