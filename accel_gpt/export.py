@@ -24,12 +24,15 @@ from pathlib import Path
 from accel_gpt.config import ExportConfig
 from accel_gpt.errors import UserError
 from accel_gpt.evaluate.val_loss import run_val_windows
-from accel_gpt.files import make_shareable, replacing
+from accel_gpt.files import make_shareable, replacing, tensor_bytes, write_or_refuse
 from accel_gpt.hf import EVAL_RECORD, generation_config, to_transformers
 from accel_gpt.modelcard import CARD, model_card
 from accel_gpt.rundir import read_run_config, run_of
 from accel_gpt.tokenizer import GPT2_VOCAB, gpt2_vocab_and_merges
 from accel_gpt.weights import load_model
+
+# GPT-2's tokenizer files in an export (vocab.json and merges.txt, then tokenizer.json): about 4 MB
+TOKENIZER_BYTES = 4 << 20
 
 
 def export(
@@ -63,7 +66,7 @@ def export(
     # byte-level BPE with <|endoftext|> as bos/eos/unk, as GPT-2's own tokenizer
     tokenizer = GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=card.model.seq_len)
 
-    try:
+    def write() -> None:  # on a failure the staging folder is already gone (see `replacing`)
         out.parent.mkdir(parents=True, exist_ok=True)
         with replacing(out) as stage:
             stage.mkdir()
@@ -74,8 +77,8 @@ def export(
             (stage / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
             (stage / CARD).write_text(readme, encoding="utf-8")
             make_shareable(stage)
-    except OSError as e:  # a full or read-only disk; the staging folder is already gone (see `replacing`)
-        raise UserError(f"cannot write the export to {out}: {e.strerror or e}") from None
+
+    write_or_refuse(f"the export to {out}", out, write, tensor_bytes(hf_model.state_dict().values()) + TOKENIZER_BYTES)
     return out
 
 

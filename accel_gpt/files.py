@@ -174,6 +174,15 @@ def write_failure(folder: Path, write: Callable[[], object], needed: int = 0) ->
     return None
 
 
+def write_or_refuse(what: str, target: Path, write: Callable[[], object], needed: int = 0) -> None:
+    """Run `write` (about `needed` bytes, for `target`); a full or read-only disk is one line, `cannot write WHAT:
+    why`, whatever library raised it. For the commands' own outputs: the export, eval's and plot's --out."""
+    folder = next(p for p in Path(target).absolute().parents if p.exists())  # where the bytes go
+    error = write_failure(folder, write, needed)
+    if error is not None:
+        raise UserError(f"cannot write {what}: {error}")
+
+
 def says_disk_full(error: BaseException) -> bool:
     """Whether `error`, or an error it was raised from or during, reports a full disk or an exceeded quota."""
     seen: set[int] = set()
@@ -201,7 +210,7 @@ def free_bytes(folder: Path) -> int | None:
 
 
 def megabytes(size: int) -> str:
-    return f"{size / 1e6:,.1f} MB"
+    return f"{size / 1e6:,.1f} MB" if size >= 100_000 else f"{size / 1e3:,.1f} kB"  # a jsonl of a few lines too
 
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:

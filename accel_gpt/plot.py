@@ -13,6 +13,7 @@ canvas directly (no pyplot), so no display or GUI backend is ever touched.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from accel_gpt.config import PlotConfig
 from accel_gpt.errors import UserError
-from accel_gpt.files import replacing
+from accel_gpt.files import replacing, write_or_refuse
 from accel_gpt.metrics import METRICS, read_metrics
 
 if TYPE_CHECKING:
@@ -156,12 +157,17 @@ def check_out_path(out: Path) -> None:
 def save_figure(figure: Figure, out: Path) -> None:
     """Written whole or not at all: a reader (or a browser refreshing the picture) never sees half a PNG, and a
     failed write leaves the previous picture as it was."""
-    try:
+
+    rendered = io.BytesIO()  # rendered first, so that a full disk is told with the picture's size
+    figure.savefig(rendered, format=out.suffix[1:].lower(), dpi=110)
+    data = rendered.getvalue()
+
+    def write() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         with replacing(out) as tmp:
-            figure.savefig(tmp, format=out.suffix[1:].lower(), dpi=110)
-    except OSError as e:
-        raise UserError(f"cannot write --out {out}: {e.strerror or e}") from None
+            tmp.write_bytes(data)
+
+    write_or_refuse(f"--out {out}", out, write, len(data))
 
 
 def load_runs(run_dirs: Sequence[Path]) -> list[RunMetrics]:

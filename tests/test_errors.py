@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -435,3 +436,51 @@ def test_prepare_on_a_full_disk_keeps_what_it_finished_and_resumes(tmp_path: Pat
         shards.verify_split(out, shards.read_manifest(out), split)
     published = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".bin", ".json")}
     assert published == {p.name: p.read_bytes() for p in reference.iterdir() if p.suffix in (".bin", ".json")}
+
+
+# --- every output on a full disk ------------------------------------------------------------------------------------
+# Each command that writes a file of its own, on a real tmpfs with room for part of it only: one line that says the
+# disk is full and how much the write needed, exit 2, no partial file or staging folder left. (prepare's and train's
+# writes have tests of their own above and in test_reliability.py: they also keep what they finished and resume.)
+FULL_DISK_WRITERS = {
+    # name: (argv given the disk folder and the shared inputs, bytes left free on the disk before the command)
+    "export": (
+        lambda disk, s: ["export", "--checkpoint", str(s["gpt2_model"]), "--out_dir", str(disk / "hf")],
+        2 << 20,
+    ),
+    "eval --out": (
+        lambda disk, s: [
+            "eval",
+            "--checkpoint",
+            str(s["gpt2_model"]),
+            "--hellaswag",
+            str(HELLASWAG),
+            "--limit",
+            "50",
+            "--out",
+            str(disk / "predictions.jsonl"),
+        ],  # fmt: skip
+        1 << 10,
+    ),
+    "plot --out": (lambda disk, s: ["plot", str(s["run"]), "--out", str(disk / "runs.png")], 8 << 10),
+}
+FULL = r"no space left on the device \(the write needs about [\d.,]+ [kM]B; [\d.,]+ [kM]B were free\)$"
+
+
+@pytest.mark.parametrize("name", FULL_DISK_WRITERS)
+def test_every_output_on_a_full_disk_is_one_line(name: str, tmp_path: Path, shared: dict[str, Path]) -> None:
+    disk = tmp_path / "disk"
+    if not _mount(disk, "size=4m"):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        argv, room = FULL_DISK_WRITERS[name]
+        filler = shutil.disk_usage(disk).free - room
+        (disk / "filler").write_bytes(b"\0" * filler)  # what else the user keeps there
+        proc = launch(argv(disk, shared))
+        line = error_line(proc, progress=True)  # eval's progress bar comes before: the failure is at the end
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert re.search(FULL, line), line
+        assert line.startswith(f"error: cannot write {'the export to' if name == 'export' else '--out'} "), line
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"], "nothing partial left behind"
+    finally:
+        _unmount(disk)

@@ -614,7 +614,7 @@ def test_bad_file_through_the_cli_is_one_line_and_exit_2(
     [
         ([], "nothing to evaluate: pass --hellaswag SRC and/or --data_dir D"),
         (["--data_dir", "d", "--out", "p.jsonl"], "--out writes HellaSwag predictions; it needs --hellaswag"),
-        (["--hellaswag", "h", "--batch_size", "0"], "batch_size=0 must be >= 1"),
+        (["--hellaswag", "h", "--batch_size", "0"], "batch_size=0 must be in [1, 1048576]"),
     ],
 )
 def test_eval_settings_are_checked_before_anything_loads(args: list[str], message: str, capsys) -> None:

@@ -209,8 +209,6 @@ def test_out_must_be_a_file_and_a_failed_write_keeps_the_old_picture(
     the picture from before is still whole, with no temporary beside it."""
     import errno
 
-    from matplotlib.figure import Figure
-
     run = str(write_run(tmp_path / "a", 4, hellaswag=False))
     (tmp_path / "dir.png").mkdir()
     assert "is a folder; give a file name" in _plot_error(capsys, run, "--out", str(tmp_path / "dir.png"))
@@ -221,15 +219,16 @@ def test_out_must_be_a_file_and_a_failed_write_keeps_the_old_picture(
     out = tmp_path / "runs.png"
     main(["plot", run, "--out", str(out)])
     before = out.read_bytes()
-    save = Figure.savefig
+    write = Path.write_bytes
 
-    def full_disk(self, fname, **kw):
-        save(self, fname, **kw)
+    def full_disk(self: Path, data: bytes) -> int:  # the first 100 bytes fit, then the disk is full
+        write(self, data[:100])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Figure, "savefig", full_disk)
+    monkeypatch.setattr(Path, "write_bytes", full_disk)
     capsys.readouterr()
-    assert _plot_error(capsys, run, "--out", str(out)) == f"error: cannot write --out {out}: No space left on device"
+    said = _plot_error(capsys, run, "--out", str(out))
+    assert said.startswith(f"error: cannot write --out {out}: no space left on the device"), said
     assert out.read_bytes() == before and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 

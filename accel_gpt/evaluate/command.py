@@ -48,7 +48,7 @@ from accel_gpt.evaluate.val_loss import (
     run_val_windows,
     short_split_note,
 )
-from accel_gpt.files import atomic_write
+from accel_gpt.files import atomic_write, write_or_refuse
 from accel_gpt.hf import recorded_eval_windows
 from accel_gpt.rundir import read_run_config, run_of
 from accel_gpt.runtime import make_accelerator
@@ -185,8 +185,10 @@ def write_predictions(path: Path, predictions: list[Prediction]) -> None:
         json.dumps({"ind": p.ind, "label": p.label, "pred_norm": p.pred_norm, "pred_sum": p.pred_sum}) + "\n"
         for p in predictions
     )
-    try:
+    text = "".join(lines)
+
+    def write() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, "".join(lines))
-    except OSError as e:  # a disk that filled up or turned read-only during the evaluation
-        raise UserError(f"cannot write --out {path}: {e.strerror or e}") from None
+        atomic_write(path, text)
+
+    write_or_refuse(f"--out {path}", path, write, len(text.encode()))  # a disk that filled up or turned read-only
