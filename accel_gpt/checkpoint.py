@@ -542,8 +542,8 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], path: Pa
             f"{now}; resume with --optimizer {was}, or start a new run from its weights with --init_from {path}"
         )
     legacy = LEGACY_DEFAULTS | {"gelu": "tanh" if saved.get("arch", "gpt2") == "gpt2" else None}
-    if saved.get("n_kv_head") is not None and saved.get("n_kv_head") == saved.get("n_head"):
-        saved = {**saved, "n_kv_head": None}  # saved before n_kv_head = n_head was taken for unset: the same model
+    # key/value heads as a count: unset is one per query head, so an unset and an equal one are the same model
+    saved, current = ({**c, "n_kv_head": c.get("n_kv_head") or c.get("n_head")} for c in (saved, current))
     for name in RESUME_FIELDS:
         was = saved.get(name, legacy.get(name, current[name]))  # fields a checkpoint predates had these
         if was != current[name]:

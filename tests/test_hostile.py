@@ -218,3 +218,120 @@ def test_a_file_given_as_data_dir(capsys, tmp_path: Path, data: Path) -> None:
     file = data / "manifest.json"
     err = one_error(capsys, "train", *TINY, "--data_dir", str(file), "--out_dir", str(tmp_path / "o"))
     assert err == f"error: data_dir '{file}' is a file; give the folder `run.py prepare` wrote"
+
+
+# ------------------------------------------------------------------------------------------ every file, every damage
+# Each file a command reads, damaged each way a disk, a crash or a hand damages one, given to the commands that read
+# it: the command works (a file it can do without) or says so in one `error:` line, exit 2; never a traceback. The
+# files are listed from the folders as written, so a file the product starts to write is walked as soon as it exists.
+
+DAMAGES = ("missing", "empty", "truncated", "a folder", "another run's")
+
+
+def damage(path: Path, how: str, other: Path) -> None:
+    data = path.read_bytes()
+    if how == "another run's":
+        if not other.is_file():
+            pytest.skip(f"the other run has no {other.name}")
+        shutil.copyfile(other, path)
+        return
+    path.unlink()
+    if how == "empty":
+        path.write_bytes(b"")
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "a folder":
+        path.mkdir()
+
+
+def outcome(capsys: pytest.CaptureFixture, argv: list[str]) -> str | None:
+    """None when the command worked or said what was wrong in one line (exit 2); otherwise what it did instead."""
+    capsys.readouterr()
+    try:
+        main(argv)
+    except SystemExit as e:
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+        return None if e.code == 2 and len(lines) == 1 else f"exit {e.code}, error lines {lines}"
+    except Exception as e:  # noqa: BLE001 - what the test looks for
+        return f"{type(e).__name__}: {e}"[:300]
+    return None
+
+
+@pytest.fixture(scope="module")
+def other_run(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same shape and schedule as `run`, another seed: its files are another run's."""
+    out = tmp_path_factory.mktemp("other") / "run"
+    flags = ["--max_steps", "4", "--save_every", "2", "--eval_every", "2", "--eval_windows", "4", "--seed", "8"]
+    run_cmd(python_cmd("train", *TINY, *flags, "--data_dir", str(data), "--out_dir", str(out)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_data(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]) -> Path:
+    """Shards of other text in the same vocabulary: another prepare's files."""
+    tokens = [t % VOCAB for t in shakespeare_tokens[6_000:12_000]]
+    return write_token_shards(tmp_path_factory.mktemp("other") / "data", tokens[:5_000], tokens[5_000:], 2_500, VOCAB)
+
+
+FOLDERS = {  # what is damaged, and the commands that read it (given the copies: run, data, a new folder)
+    "run": lambda run, data, new: [["export", "--checkpoint", str(run), "--out_dir", str(new)]],
+    "checkpoints/step_00000004": lambda run, data, new: [
+        ["export", "--checkpoint", str(run / "checkpoints" / "step_00000004"), "--out_dir", str(new)],
+        [
+            "train",
+            *TINY,
+            "--data_dir",
+            str(data),
+            "--out_dir",
+            str(run),
+            "--max_steps",
+            "5",
+            "--save_every",
+            "0",
+            "--eval_every",
+            "0",
+            "--resume",
+            str(run / "checkpoints" / "step_00000004"),
+        ],
+    ],  # fmt: skip
+    "data": lambda run, data, new: [
+        ["eval", "--checkpoint", str(run), "--data_dir", str(data), "--eval_windows", "4"],
+        [
+            "train",
+            *TINY,
+            "--data_dir",
+            str(data),
+            "--out_dir",
+            str(new),
+            "--max_steps",
+            "1",
+            "--save_every",
+            "0",
+            "--eval_every",
+            "0",
+        ],
+    ],  # fmt: skip
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", DAMAGES)
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_every_file_a_command_reads_damaged_every_way(
+    capsys, tmp_path: Path, run: Path, other_run: Path, data: Path, other_data: Path, folder: str, how: str
+) -> None:
+    source = {"run": run, "data": data}.get(folder, run / folder)
+    files = sorted(p.relative_to(source) for p in source.iterdir() if p.is_file())
+    assert files, source
+    failures = []
+    for i, name in enumerate(files):
+        copies = tmp_path / str(i)
+        run_copy, data_copy = copy(run, copies), copy(data, copies)
+        target = {"run": run_copy, "data": data_copy}.get(folder, run_copy / folder) / name
+        counterpart = {"run": other_run, "data": other_data}.get(folder, other_run / folder) / name
+        damage(target, how, counterpart)
+        for argv in FOLDERS[folder](run_copy, data_copy, copies / "new"):
+            said = outcome(capsys, argv)
+            if said is not None:
+                failures.append(f"{folder}/{name} {how}, {argv[0]}: {said}")
+    assert not failures, "\n".join(failures)

@@ -466,7 +466,7 @@ def test_the_card_of_best_weights_tells_how_they_were_picked_and_the_command_tha
 
 
 # What a save on a full disk says: what the write needed, and what was free before it.
-NO_SPACE = r"no space left on the device \(the write needs about ([\d.,]+) MB; ([\d.,]+) MB were free\)"
+NO_SPACE = r"no space left on the device \(the write needs about ([\d.,]+) [kM]B; ([\d.,]+) [kM]B were free\)"
 TINY_CPU = ["--config", "tiny-cpu", "--eval_every", "0", "--sample_tokens", "0", "--log_with", "none"]
 
 

@@ -180,7 +180,7 @@ def test_token_id_beyond_what_the_manifest_says_is_named_with_its_shard(
         (["--weight_decay", "nan"], "weight_decay=nan must be a finite number"),
         (["--weight_decay", "inf"], "weight_decay=inf must be a finite number"),
         (["--beta1", "1.5"], "beta1=1.5 must be in [0, 1)"),
-        (["--seed=-1"], "seed=-1 must be >= 0"),
+        (["--seed=-1"], "seed=-1 must be in [0, 2147483647]"),
         (["--eval_windows", "0", "--eval_every", "2"], "eval_windows=0 leaves nothing to evaluate"),
         (["--eval_steps", "0", "--eval_every", "2"], "eval_windows=0 leaves nothing to evaluate"),
         (["--eval_windows", "7", "--eval_steps", "2"], "eval_steps=2 (x batch 2 = 4 windows) and eval_windows=7"),

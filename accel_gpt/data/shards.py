@@ -274,7 +274,7 @@ def verify_split(
     for entry in entries:
         path = data_dir / entry["file"]
         if not path.is_file():
-            raise DataError(f"shard {path} listed in {MANIFEST} is missing")
+            raise DataError(f"shard {path} listed in {MANIFEST} is {'a folder' if path.is_dir() else 'missing'}")
         stats[entry["file"]] = st = path.stat()
         if st.st_size != entry["tokens"] * itemsize:
             expected = entry["tokens"] * itemsize
@@ -366,4 +366,5 @@ def max_token_id(data_dir: str | Path, manifest: dict[str, Any], split: str) -> 
     entries = manifest["splits"][split]
     if all(isinstance(e.get("max_id"), int) for e in entries):
         return max((e["max_id"] for e in entries), default=-1)
+    verify_split(data_dir, manifest, split, checksums=False)  # there and of their length: a damaged one is one line
     return max((int(a.max()) for a in open_split(data_dir, manifest, split) if a.size), default=-1)
