@@ -197,8 +197,9 @@ def _add_fields(p: argparse.ArgumentParser, cls: type[Config], config_flags: tup
             p.add_argument(*config_flags, dest="config", metavar=metavar, help=meta["help"])
             continue
         default = preset.get(f.name, f.default if f.default is not MISSING else f.default_factory())
-        if meta["positional"]:
-            p.add_argument(f.name, nargs="+", metavar=f.name.upper().removesuffix("S"), help=meta["help"])
+        if meta["positional"]:  # optional where the --config file gives it
+            nargs, kwargs = ("*", {"default": argparse.SUPPRESS}) if f.name in preset else ("+", {})
+            p.add_argument(f.name, nargs=nargs, metavar=f.name.upper().removesuffix("S"), help=meta["help"], **kwargs)
             continue
         required = meta["required"] and f.name not in preset
         shown = " (required)" if required else "" if default in ("", None) else f" (default: {default!r})"

@@ -689,7 +689,7 @@ class SampleConfig(Config):
     max_new_tokens: int = option(100, "tokens to generate", bounds="[0, inf)")
     temperature: float = option(1.0, "divides the logits: below 1 is more conservative, 0 is greedy", bounds="[0, inf)")
     top_k: int = option(50, "keep the k most likely tokens (0 = all)", bounds="[0, inf)")
-    num_samples: int = option(1, "independent continuations to print", bounds="[1, inf)")
+    num_samples: int = option(1, "independent continuations to print, drawn as one batch", bounds="[1, 1024]")
     seed: int = option(1337, "random seed: the same seed gives the same text", bounds="[0, 2147483647]")
     stop_at_eot: bool = option(True, "end a sample where the model writes end-of-text (false: write on past it)")
     device: str = option("", "cpu, cuda, ... (default: cuda if available)")
@@ -718,6 +718,10 @@ class PlotConfig(Config):
     command: ClassVar[str] = "plot"
     run_dirs: list[str] = option([], "run directories holding metrics.jsonl", positional=True)
     out: str = option("runs.png", "output file; .png, .pdf or .svg picks the format")
+
+    def validate(self) -> None:
+        if not self.run_dirs:
+            raise ConfigError("plot needs a run directory: give RUN_DIR ... (or run_dirs in the --config file)")
 
 
 # The val set's size when nothing sets it: a GPT-2 124M run's former 20 batches of 8 windows.

@@ -62,10 +62,13 @@ def generate(
                 cache.length = 0
             logits, _ = model(idx[:, -cfg.seq_len :], cache=cache)  # the model sees at most its context
         logits = logits[:, -1, :].float()  # (B, V)
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogits("the model's logits are not finite (its weights overflow)")
         if temperature == 0:
             next_id = logits.argmax(-1, keepdim=True)
         else:
-            logits = logits / temperature
+            # from the top logit down, and a temperature too small for fp32 taken as its smallest: greedy, not NaN
+            logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -90,6 +93,10 @@ def sample_texts(
     training). With `stop_at_eot` (the default) a text ends before the first end-of-text the model writes."""
     rows = sample_ids(model, cfg, tokenizer, prompt, *args, **kwargs)
     return decode_samples(rows, tokenizer, len(encode_prompt(tokenizer, prompt)), kwargs.get("stop_at_eot", True))
+
+
+class NonFiniteLogits(UserError):
+    """The weights give inf or NaN logits: nothing can be drawn from them (a run that diverged, or damaged weights)."""
 
 
 def sample_ids(

@@ -188,11 +188,12 @@ def _gpt2_gpt_config(hf_config: GPT2Config) -> GPTConfig:
     )
 
 
-def load_transformers(path_or_id: str, vocab_size: int | None = None) -> GPT:
+def load_transformers(path_or_id: str, vocab_size: int | None = None, tokenizer_ids: int | None = None) -> GPT:
     """Our GPT from a transformers GPT-2 or NanoChat folder or hub id (`gpt2`, `openai-community/gpt2-medium`, an
     export of ours, ...).
 
-    Used by `init_from` (pass the trainer's `vocab_size`, e.g. 50,304, to pad the embedding) and by
+    Used by `init_from` (pass the trainer's `vocab_size`, e.g. 50,304, to pad the embedding, and the data tokenizer's
+    `tokenizer_ids`: a folder with fewer ids was trained with another tokenizer) and by
     eval/sample on `--checkpoint gpt2`. The hub is reached through `from_pretrained`, so its cache and
     `HF_HUB_OFFLINE` apply. Weights load as float32 whatever the checkpoint stores: this model trains.
     """
@@ -202,6 +203,11 @@ def load_transformers(path_or_id: str, vocab_size: int | None = None) -> GPT:
         hf_config = AutoConfig.from_pretrained(path_or_id)
         _CONFIGS[_arch(hf_config)](hf_config)  # refuse other architectures and variants before reading weights
         check_gpt2_tokenizer(path_or_id)
+        if tokenizer_ids is not None and hf_config.vocab_size < tokenizer_ids:
+            raise UserError(
+                f"'{path_or_id}' has {hf_config.vocab_size:,} token ids, fewer than the data's tokenizer's "
+                f"{tokenizer_ids:,}: it was trained with another tokenizer, so its embedding rows would mean other text"
+            )
         check_pickled_weights(Path(path_or_id))
         with quiet_transformers():  # its load report would print a table of the gaps refused below in one line
             hf_model, info = AutoModelForCausalLM.from_pretrained(
@@ -448,6 +454,10 @@ def _load_error(path_or_id: str, e: Exception) -> str:
     reason = _first_line(e)
     if "weights_only" in str(e):  # torch refused a pickle from the hub that holds more than tensors
         reason = "its weights file holds something other than tensors: refused as unsafe (unpickling could run code)"
+    elif "ignore_mismatched_sizes" in str(e):  # its "report above" is one `quiet_transformers` keeps quiet
+        reason = "its weights have other shapes than its config.json describes"
+    elif reason.endswith(":"):  # a validation error whose reason follows on the next lines
+        reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300]
     if Path(path_or_id).expanduser().exists():
         return f"cannot load transformers model '{path_or_id}': {reason}"
     return f"'{path_or_id}' is not a local folder (no such path{_close_paths(path_or_id)}), and as a hub id: {reason}"

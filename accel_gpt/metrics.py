@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from accel_gpt.files import atomic_write
+from accel_gpt.errors import UserError
+from accel_gpt.files import atomic_write, write_failure
 
 METRICS = "metrics.jsonl"
 
@@ -26,11 +27,24 @@ class MetricsFile:
         self.path = Path(path)
         self.enabled = enabled
 
-    def write(self, rows: list[dict[str, Any]]) -> None:
+    def write(self, rows: list[dict[str, Any]]) -> str | None:
+        """Append `rows`; None, or why they could not be written (a full or read-only disk)."""
         if not self.enabled or not rows:
-            return
-        with open(self.path, "a") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
+            return None
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+
+        def append() -> None:
+            with open(self.path, "a") as f:
+                f.write(text)
+
+        return write_failure(self.path.parent, append, len(text.encode()))
+
+    def check(self) -> None:
+        """Refuse, before the first step, a path that cannot hold the rows: a folder, or a link to nowhere."""
+        if (self.path.exists() or self.path.is_symlink()) and not self.path.is_file():
+            what = "a folder" if self.path.is_dir() else "not a file (a link to nowhere?)"
+            said = f"{self.path} is {what}, where the run writes its metrics rows"
+            raise UserError(f"{said}: move it aside and run again")
 
     def truncate_after(self, step: int) -> None:
         """Keep only rows up to `step`: a resumed run writes what follows again. A torn last line, or any line

@@ -49,6 +49,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"arch={self.arch!r} is not one of {', '.join(ARCHS)}")
+        self._check_shape()
         if self.arch == "nanochat":  # no biases in this block; the rotary base its own default; ReLU², no GELU
             self.bias, self.gelu = False, None
             self.rope_theta = 10_000.0 if self.rope_theta is None else self.rope_theta
@@ -58,6 +59,29 @@ class GPTConfig:
             self.gelu = "tanh"
         elif self.gelu not in GELUS:
             raise ValueError(f"gelu={self.gelu!r} is not one of {', '.join(GELUS)}")
+
+    def _check_shape(self) -> None:
+        """Sizes and rates a model can be built with: a config read from a file (model_config.json) may hold anything,
+        and a wrong type or value would fail later as a traceback deep in torch."""
+        for name in ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        kv = self.n_kv_head
+        if kv is not None and (not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.n_head % kv):
+            raise ValueError(f"n_kv_head={kv!r} must be a positive integer dividing n_head={self.n_head}")
+        ranges = {"dropout": "[0, 1)", "layer_norm_eps": "(0, 1)", "rope_theta": "> 0", "logit_softcap": ">= 0"}
+        holds = {"[0, 1)": lambda v: 0 <= v < 1, "(0, 1)": lambda v: 0 < v < 1, "> 0": lambda v: v > 0}
+        holds[">= 0"] = lambda v: v >= 0
+        for name, wanted in ranges.items():
+            value = getattr(self, name)
+            if value is None and name in ("rope_theta", "logit_softcap"):  # unset: the block's own
+                continue
+            number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or not holds[wanted](value):
+                raise ValueError(f"{name}={value!r} must be a number {wanted}")
 
     @property
     def head_dim(self) -> int:

@@ -181,7 +181,11 @@ def load_rows(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         what = "does not exist" if not run_dir.exists() else "has no metrics.jsonl"
         raise UserError(f"run dir '{run_dir}' {what}: expected a folder written by `run.py train`")
-    by_step = {row["step"]: row for row in read_metrics(path) if "step" in row}
+    by_step = {  # numbers only: a hand-edited or foreign row's other values are left out, not drawn
+        row["step"]: {k: v for k, v in row.items() if isinstance(v, int | float)}
+        for row in read_metrics(path)
+        if isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
+    }
     if not by_step:
         raise UserError(f"{path} holds no metrics rows yet (a run writes one per optimizer step)")
     return [by_step[step] for step in sorted(by_step)]

@@ -117,14 +117,30 @@ def check(probe: str, timeout: float) -> tuple[int, str]:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments as one `error:` line, exit 2, like accel_gpt's other commands."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 600:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds in (0, 600]")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m accel_gpt.tiktoken_files", description=DESCRIPTION)
+    parser = _Parser(prog="python -m accel_gpt.tiktoken_files", description=DESCRIPTION)
     parser.add_argument(
         "--probe",
         default=BASE + "vocab.bpe",
         help="the address asked when the files are missing (default: %(default)s)",
     )
-    parser.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds to wait for it (default: %(default)s)")
+    wait = "seconds to wait for it (default: %(default)s)"
+    parser.add_argument("--timeout", type=seconds, default=TIMEOUT, help=wait)
     args = parser.parse_args(argv)
     code, line = check(args.probe, args.timeout)
     print(line, file=sys.stderr if code else sys.stdout)

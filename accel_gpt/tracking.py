@@ -27,6 +27,7 @@ from accel_gpt.checkpoint import TrainState, complete_checkpoints
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.metrics import METRICS, MetricsFile, read_metrics
+from accel_gpt.rundir import same_on_every_rank
 from accel_gpt.spike import MAX_SKIPPED_IN_A_ROW
 
 logger = get_logger(__name__)
@@ -118,6 +119,7 @@ class MetricsLogger:
         self.peak = device_peak_flops(accelerator.device)
         self.out_dir = Path(cfg.out_dir)
         self.file = MetricsFile(self.out_dir / METRICS, accelerator.is_main_process)
+        self.file.check()  # on every rank: all see the one out_dir
         self.file.truncate_after(step)  # rows past a resumed step are written again (an attempt may have logged them)
         self.progress = tqdm(
             total=cfg.max_steps, initial=step, unit="step", disable=not accelerator.is_main_process, dynamic_ncols=True
@@ -188,14 +190,9 @@ class MetricsLogger:
         bad = next((r for r in applied if not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]))), None)
         if bad is None:
             return
-        self.file.write(rows[: rows.index(bad) + 1])
+        self._write(rows[: rows.index(bad) + 1])
         self.progress.close()
-        lower = "a lower --muon_lr or --learning_rate" if self.optimizer == "muon" else "a lower --learning_rate"
-        good = checkpoint_before(self.out_dir, bad["step"])
-        if good is not None:
-            then = f"the newest checkpoint before it, {good}, gave finite values: resume from it by path with {lower}"
-        else:
-            then = f"no checkpoint was saved before it: train again with {lower} and --overwrite true"
+        then = divergence_advice(self.out_dir, bad["step"], self.optimizer)
         raise UserError(
             f"training diverged at step {bad['step']} (loss {bad['loss']}, grad_norm {bad['grad_norm']}): stopped "
             f"without saving its weights; {then}"
@@ -210,10 +207,23 @@ class MetricsLogger:
         for i, row in enumerate(rows):
             self.skipped_in_a_row = self.skipped_in_a_row + 1 if row.get("skipped") else 0
             if self.skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
-                self.file.write(rows[: i + 1])
+                self._write(rows[: i + 1])
                 self.progress.close()
                 first = row["step"] - MAX_SKIPPED_IN_A_ROW + 1
                 raise UserError(stuck_message(self.out_dir, first, row["step"]))
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        """metrics.jsonl, or one line on every rank where it cannot be written: a resume cuts a torn row away."""
+        error = same_on_every_rank(self.accelerator, self.file.write(rows))
+        if error is None:
+            return
+        self.progress.close()
+        if complete_checkpoints(self.out_dir):
+            then = "make room (or fix the folder), then continue with --resume auto"
+        else:
+            then = "no checkpoint was saved: make room, then train again with --overwrite true"
+        stopped = f"the run stopped after step {rows[-1]['step']}"
+        raise UserError(f"cannot write {self.file.path}: {error}; {stopped}; {then}")
 
     def write(self, rows: list[dict[str, Any]], extra: dict[str, Any]) -> None:
         """metrics.jsonl and trackers (main process), the progress bar; `extra` (evaluations) joins the last row."""
@@ -221,7 +231,7 @@ class MetricsLogger:
         self.last_row = rows[-1]
         if "val_loss" in extra:
             self.last_val = rows[-1]
-        self.file.write(rows)
+        self._write(rows)
         for row in rows:
             self.accelerator.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=row["step"])
             if row.get("skipped"):
@@ -262,6 +272,15 @@ class MetricsLogger:
             f"{losses}; run dir {cfg.out_dir} (metrics.jsonl, config.yaml, checkpoints/"
             + (f"; {weights})" if weights else "; no final weights yet)")
         )
+
+
+def divergence_advice(out_dir: str | Path, bad_step: int, optimizer: str) -> str:
+    """Where to go on from a run whose step `bad_step` met broken weights, and with what."""
+    lower = "a lower --muon_lr or --learning_rate" if optimizer == "muon" else "a lower --learning_rate"
+    good = checkpoint_before(out_dir, bad_step)
+    if good is not None:
+        return f"the newest checkpoint before it, {good}, gave finite values: resume from it by path with {lower}"
+    return f"no checkpoint was saved before it: train again with {lower} and --overwrite true"
 
 
 def checkpoint_before(out_dir: str | Path, step: int) -> Path | None:

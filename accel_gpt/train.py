@@ -230,7 +230,7 @@ def load_init_from(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
         from accel_gpt.hf import load_transformers
 
         logger.info(f"init_from: the transformers weights of {cfg.init_from}")
-        return load_transformers(cfg.init_from, vocab_size=cfg.vocab_size)
+        return load_transformers(cfg.init_from, vocab_size=cfg.vocab_size, tokenizer_ids=tokenizer.vocab_size)
     model, card = load_model(source)  # a run dir without final weights: its newest checkpoint
     if card.tokenizer != tokenizer:
         raise ConfigError(f"init_from {source}: {tokenizer_mismatch(card.tokenizer, tokenizer)} in {cfg.data_dir}")

@@ -23,13 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import HELLASWAG, REPO, SHAKESPEARE, subprocess_env, write_token_shards
+from safetensors.torch import load_file
 
 from accel_gpt.data import shards
 from accel_gpt.data.pipeline import STATE_FILE
 from accel_gpt.files import LOCK
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.tokenizer import Tokenizer
-from accel_gpt.weights import MODEL_CONFIG, ModelCard, save_weights
+from accel_gpt.weights import MODEL_CONFIG, ModelCard, read_model_config, save_weights
 
 pytestmark = pytest.mark.slow
 
@@ -142,6 +143,16 @@ def _unsafe_transformers_folder(folder: Path) -> Path:
     return folder
 
 
+def _overflowing(folder: Path) -> None:
+    """Finite weights whose logits are not: every embedding entry +-1e38, so their sums pass fp32's 3.4e38."""
+    path = folder / "model.safetensors"
+    weights = load_file(str(path))
+    wte = weights["transformer.wte.weight"]
+    weights["transformer.wte.weight"] = torch.where(wte < 0, -1e38, 1e38)
+    card = read_model_config(folder)
+    save_weights(weights, card, folder)
+
+
 def _other_tokenizer_folders(root: Path) -> tuple[Path, Path]:
     """Transformers folders trained with another tokenizer than GPT-2's: one of 1,000 ids and no tokenizer files,
     one with a tokenizer.json of 65,536 tokens (as a NanoChat checkpoint ships)."""
@@ -226,6 +237,14 @@ def build_cases(root: Path, s: dict[str, Path], read_only: Path | None) -> dict[
     _unsafe_transformers_folder(root / "unsafe" / "export")
     few, own = _other_tokenizer_folders(root / "other_tokenizer")
     (root / "plot_folder" / "runs.png").mkdir()
+    shutil.copytree(s["gpt2_model"], root / "mistyped_config" / "model")
+    mistyped = root / "mistyped_config" / "model" / MODEL_CONFIG
+    mistyped.write_text(mistyped.read_text().replace('"n_layer": 1', '"n_layer": "1"'))
+    shutil.copytree(s["gpt2_model"], root / "overflow" / "model")
+    _overflowing(root / "overflow" / "model")
+    (root / "out_kinds").mkdir()
+    shutil.copy(HELLASWAG, root / "out_kinds" / "hs.jsonl")
+    (root / "out_kinds" / "notes.txt").write_text("the user's own notes\n")
 
     gpt2, char, hs = str(s["gpt2_model"]), str(s["char_model"]), str(HELLASWAG)
     cases = prepare_cases(root, s) | {
@@ -293,6 +312,71 @@ def build_cases(root: Path, s: dict[str, Path], read_only: Path | None) -> dict[
             ["sample", "--checkpoint", str(own)],
             f"'{own}' has a tokenizer of 65,536 tokens, not GPT-2's 50,257: accel_gpt reads transformers folders "
             "with GPT-2's tokenizer only",
+        ),
+        "sample_model_config_of_another_type": Case(
+            ["sample", "--checkpoint", str(root / "mistyped_config" / "model")],
+            f"{mistyped} is not a readable accel_gpt model config (ValueError: n_layer='1' must be a positive integer)",
+        ),
+        "sample_weights_whose_logits_overflow": Case(
+            ["sample", "--checkpoint", str(root / "overflow" / "model"), "--max_new_tokens", "2"],
+            "the model's logits are not finite (its weights overflow)",
+        ),
+        "eval_out_is_the_hellaswag_input": Case(
+            [
+                "eval",
+                "--checkpoint",
+                gpt2,
+                "--hellaswag",
+                str(root / "out_kinds" / "hs.jsonl"),
+                "--limit",
+                "2",
+                "--out",
+                str(root / "out_kinds" / "hs.jsonl"),
+            ],  # fmt: skip
+            "is the --hellaswag file being scored; write the predictions to another file",
+        ),
+        "eval_out_inside_the_model_folder": Case(
+            ["eval", "--checkpoint", gpt2, "--hellaswag", hs, "--limit", "2", "--out", f"{gpt2}/model.safetensors"],
+            f"is inside the model's folder {gpt2}; write the predictions elsewhere",
+        ),
+        "eval_out_is_another_file": Case(
+            [
+                "eval",
+                "--checkpoint",
+                gpt2,
+                "--hellaswag",
+                hs,
+                "--limit",
+                "2",
+                "--out",
+                str(root / "out_kinds" / "notes.txt"),
+            ],  # fmt: skip
+            "exists and is not a predictions file of `eval --out`; remove it or write to another file",
+        ),
+        "train_init_from_a_model_with_fewer_ids": Case(
+            [
+                "train",
+                "--init_from",
+                str(few),
+                "--data_dir",
+                str(shutil.copytree(s["gpt2_data"], root / "other_tokenizer" / "data")),  # its verify cache is written
+                "--out_dir",
+                str(root / "other_tokenizer" / "run"),
+                "--n_layer",
+                "1",
+                "--n_head",
+                "2",
+                "--n_embd",
+                "16",
+                "--seq_len",
+                "32",
+                "--max_steps",
+                "1",
+                "--log_with",
+                "none",
+            ],  # fmt: skip
+            f"'{few}' has 1,000 token ids, fewer than the data's tokenizer's 50,257: it was trained with another",
+            progress=True,  # the start-up says what it loads first
         ),
         "plot_out_is_a_folder": Case(
             ["plot", str(s["run"]), "--out", str(root / "plot_folder" / "runs.png")], "is a folder; give a file name"
@@ -367,6 +451,12 @@ CASE_NAMES = [
     "sample_model_with_fewer_ids_than_the_prompt",
     "eval_model_with_fewer_ids_than_the_shards",
     "sample_folder_with_its_own_tokenizer",
+    "sample_model_config_of_another_type",
+    "sample_weights_whose_logits_overflow",
+    "eval_out_is_the_hellaswag_input",
+    "eval_out_inside_the_model_folder",
+    "eval_out_is_another_file",
+    "train_init_from_a_model_with_fewer_ids",
     "plot_out_is_a_folder",
     "sample_cuda_without_cuda",
     "prepare_read_only_out_dir",
@@ -386,8 +476,9 @@ def test_one_line_exit_2_and_nothing_written(name: str, results: dict) -> None:
 
 
 def test_the_cases_changed_no_file(results: dict) -> None:
-    """Files the cases read, the folders they were told to write, the current folder of those run elsewhere."""
-    before, after = results["before"], results["after"]
+    """Files the cases read, the folders they were told to write, the current folder of those run elsewhere (a data
+    folder's cache of verified shards, written when train checks them, is the one file allowed to appear)."""
+    before, after = results["before"], {k: v for k, v in results["after"].items() if not k.endswith(".verified.json")}
     assert sorted(after) == sorted(before), set(after) ^ set(before)
     assert [k for k in before if before[k] != after[k]] == []
     root = results["root"]
@@ -443,10 +534,13 @@ def test_prepare_on_a_full_disk_keeps_what_it_finished_and_resumes(tmp_path: Pat
 # disk is full and how much the write needed, exit 2, no partial file or staging folder left. (prepare's and train's
 # writes have tests of their own above and in test_reliability.py: they also keep what they finished and resume.)
 FULL_DISK_WRITERS = {
-    # name: (argv given the disk folder and the shared inputs, bytes left free on the disk before the command)
+    # name: (argv given the disk folder and the shared inputs, bytes left free on the disk before the command, what
+    # the line names, the files a failed command may leave: a training run's own files stay, for the resume)
     "export": (
         lambda disk, s: ["export", "--checkpoint", str(s["gpt2_model"]), "--out_dir", str(disk / "hf")],
         2 << 20,
+        "the export to {disk}/hf",
+        [],
     ),
     "eval --out": (
         lambda disk, s: [
@@ -461,10 +555,51 @@ FULL_DISK_WRITERS = {
             str(disk / "predictions.jsonl"),
         ],  # fmt: skip
         1 << 10,
+        "--out {disk}/predictions.jsonl",
+        [],
     ),
-    "plot --out": (lambda disk, s: ["plot", str(s["run"]), "--out", str(disk / "runs.png")], 8 << 10),
+    "plot --out": (
+        lambda disk, s: ["plot", str(s["run"]), "--out", str(disk / "runs.png")],
+        8 << 10,
+        "--out {disk}/runs.png",
+        [],
+    ),
+    "train's metrics.jsonl": (
+        lambda disk, s: [
+            "train",
+            "--data_dir",
+            str(s["gpt2_data"]),
+            "--out_dir",
+            str(disk / "run"),
+            "--n_layer",
+            "1",
+            "--n_head",
+            "2",
+            "--n_embd",
+            "16",
+            "--seq_len",
+            "32",
+            "--micro_batch_size",
+            "1",
+            "--total_batch_size",
+            "32",
+            "--max_steps",
+            "200",
+            "--save_every",
+            "0",
+            "--eval_every",
+            "0",
+            "--sample_tokens",
+            "0",
+            "--log_with",
+            "none",
+        ],  # fmt: skip
+        12 << 10,  # its config.yaml and accelerate_env.txt fit, then some 30 rows
+        "{disk}/run/metrics.jsonl",
+        ["run"],
+    ),
 }
-FULL = r"no space left on the device \(the write needs about [\d.,]+ [kM]B; [\d.,]+ [kM]B were free\)$"
+FULL = r"no space left on the device \(the write needs about [\d.,]+ [kM]B; [\d.,]+ [kM]B were free\)"
 
 
 @pytest.mark.parametrize("name", FULL_DISK_WRITERS)
@@ -473,14 +608,14 @@ def test_every_output_on_a_full_disk_is_one_line(name: str, tmp_path: Path, shar
     if not _mount(disk, "size=4m"):
         pytest.skip("mounting a tmpfs needs root")
     try:
-        argv, room = FULL_DISK_WRITERS[name]
+        argv, room, names, leftovers = FULL_DISK_WRITERS[name]
         filler = shutil.disk_usage(disk).free - room
         (disk / "filler").write_bytes(b"\0" * filler)  # what else the user keeps there
         proc = launch(argv(disk, shared))
-        line = error_line(proc, progress=True)  # eval's progress bar comes before: the failure is at the end
+        line = error_line(proc, progress=True)  # progress bars come before: the failure is mid-work or at the end
         assert proc.returncode == 2, proc.stderr[-3000:]
+        assert line.startswith(f"error: cannot write {names.format(disk=disk)}: "), line
         assert re.search(FULL, line), line
-        assert line.startswith(f"error: cannot write {'the export to' if name == 'export' else '--out'} "), line
-        assert sorted(p.name for p in disk.iterdir()) == ["filler"], "nothing partial left behind"
+        assert sorted(p.name for p in disk.iterdir()) == sorted(["filler", *leftovers]), "nothing partial left"
     finally:
         _unmount(disk)

@@ -433,3 +433,17 @@ def test_a_bias_free_dropout_model_exports_with_zero_biases_its_dropout_and_the_
     assert len(biases) == 6 * TINY["n_layer"] + 1 and all(not v.any() for v in biases.values())
     x = ids(50_257)
     torch.testing.assert_close(theirs(loaded, x), ours(model, x)[..., :50_257], atol=1e-4, rtol=0)
+
+
+def test_weights_of_other_shapes_than_the_config_are_one_line_without_a_report_to_look_for(tmp_path):
+    """transformers' own error points at a load report that `quiet_transformers` keeps quiet: said in words instead."""
+    folder = tmp_path / "tiny"
+    tiny_hf().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["n_embd"], config["n_head"] = 2 * config["n_embd"], 2 * config["n_head"]  # the weights stay the old width
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as said:
+        hf.load_transformers(str(folder))
+    assert str(said.value) == (
+        f"cannot load transformers model '{folder}': its weights have other shapes than its config.json describes"
+    )

@@ -4,6 +4,7 @@ or a silent wrong result) is now one `error:` line, exit 2, through the command 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -335,3 +336,36 @@ def test_every_file_a_command_reads_damaged_every_way(
             if said is not None:
                 failures.append(f"{folder}/{name} {how}, {argv[0]}: {said}")
     assert not failures, "\n".join(failures)
+
+
+def test_a_metrics_file_that_cannot_take_rows_is_said_before_the_first_step(
+    capsys, tmp_path: Path, run: Path, data: Path
+) -> None:
+    """metrics.jsonl a folder, or a link to nowhere: a resume said so only as a traceback, once a row was due."""
+    args = [*TINY, "--data_dir", str(data), "--max_steps", "6", "--resume", "auto"]
+    args += ["--save_every", "2", "--eval_every", "2", "--eval_windows", "4"]
+    for what in ("a folder", "not a file (a link to nowhere?)"):
+        out = copy(run, tmp_path / what.split()[0])
+        (out / "metrics.jsonl").unlink()
+        if what == "a folder":
+            (out / "metrics.jsonl").mkdir()
+        else:
+            (out / "metrics.jsonl").symlink_to(tmp_path / "nowhere" / "metrics.jsonl")
+        err = one_error(capsys, "train", *args, "--out_dir", str(out))
+        said = f"{out / 'metrics.jsonl'} is {what}, where the run writes its metrics rows"
+        assert err == f"error: {said}: move it aside and run again"
+
+
+def test_the_advice_for_a_data_folder_without_its_manifest_works(capsys, tmp_path: Path, run: Path, data: Path) -> None:
+    """Shards without manifest.json: the line names a prepare command into a new folder (this one holds files, which
+    prepare refuses to mix with), and that command, done as it says, makes data that eval then reads."""
+    damaged = copy(data, tmp_path)
+    (damaged / "manifest.json").unlink()
+    err = one_error(capsys, "eval", "--checkpoint", str(run), "--data_dir", str(damaged))
+    command = re.search(r"`run\.py (prepare --preset NAME --out_dir \S+)`", err)
+    assert command and err.endswith(f", a new folder since {damaged} holds other files"), err
+    argv = command.group(1).replace("NAME", "tinyshakespeare").split()
+    main([*argv, "--val_tokens", "2000"])
+    capsys.readouterr()
+    out = argv[-1]
+    assert Path(out) == Path(f"{damaged}-prepared") and (Path(out) / "manifest.json").is_file()

@@ -265,3 +265,32 @@ def test_hellaswag_gets_bars_of_one_standard_error(tmp_path: Path) -> None:
     assert all(g == pytest.approx(w) for g, w in zip(got, want, strict=True)), (got, want)
     assert "standard error" in panels["HellaSwag"].get_ylabel()
     assert not panels["loss"].collections
+
+
+def test_rows_with_values_that_are_not_numbers_are_drawn_without_them(tmp_path: Path) -> None:
+    """A hand-edited or foreign row: an object, a list or a string where a number was, a step that is not an
+    integer. The numbers are drawn; the rest is left out (an object once stopped the plot with a TypeError)."""
+    run = write_run(tmp_path / "r", 4, hellaswag=False)
+    path = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[1]["loss"], rows[2]["lr"], rows[3]["grad_norm"] = {"a": 1}, [1, 2], "x"
+    rows.append({"step": "5", "loss": 1.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(["plot", str(run), "--out", str(tmp_path / "r.png")])
+    assert (tmp_path / "r.png").stat().st_size > 0
+    loaded = load_rows(run)
+    assert [r["step"] for r in loaded] == [1, 2, 3, 4] and "loss" not in loaded[1] and "lr" not in loaded[2]
+
+
+def test_the_run_dirs_may_come_from_the_config_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Every setting is a --config key, plot's positional run directories too; a flag's still wins, and none at all
+    is one line."""
+    a, b = write_run(tmp_path / "a", 4, hellaswag=False), write_run(tmp_path / "b", 4, hellaswag=False)
+    config = tmp_path / "plot.yaml"
+    config.write_text(f"run_dirs: [{a}]\nout: {tmp_path / 'c.png'}\n")
+    main(["plot", "--config", str(config)])
+    assert "(1 run," in capsys.readouterr().out
+    main(["plot", "--config", str(config), str(a), str(b)])
+    assert "(2 runs," in capsys.readouterr().out
+    config.write_text(f"out: {tmp_path / 'c.png'}\n")
+    assert _plot_error(capsys, "--config", str(config)).startswith("error: the following arguments are required")

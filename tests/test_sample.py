@@ -65,6 +65,12 @@ def test_greedy_is_the_argmax_chain_and_ignores_the_seed(loaded) -> None:
     assert draw(loaded, seed=3, top_k=1) == draw(loaded, seed=4, temperature=0.0)
 
 
+def test_a_temperature_too_small_for_fp32_is_greedy(loaded) -> None:
+    """1e-300 is 0 in fp32: dividing by it made NaN probabilities and a traceback; now it draws the greedy chain."""
+    greedy = draw(loaded, seed=1, temperature=0.0)
+    assert draw(loaded, seed=5, temperature=1e-300) == draw(loaded, seed=6, temperature=5e-324) == greedy
+
+
 def test_long_prompt_is_cropped_from_the_left_and_the_window_slides(loaded) -> None:
     model, _ = loaded
     prompt = torch.randint(0, 50257, (1, 70), generator=torch.Generator().manual_seed(0))
@@ -272,7 +278,14 @@ def test_training_samples_stop_at_end_of_text(monkeypatch) -> None:
     cfg = TrainConfig(data_dir="unused", eval_every=0, sample_tokens=6, sample_prompt="Hello", seed=3)
     try:
         evaluator = Evaluator(cfg, Accelerator(cpu=True), eot_model(30.0), ModelCard(TINY, Tokenizer("gpt2")), [])
-        assert evaluator._sample() == "Hello"
+        assert evaluator._sample(1) == "Hello"
+        overflowing = Evaluator(cfg, Accelerator(cpu=True), eot_model(float("inf")), evaluator.card, [])
+        with pytest.raises(UserError) as said:  # weights whose logits overflow stop the run as a divergence does
+            overflowing._sample(3)
+        assert str(said.value).startswith(
+            "training diverged by step 3: its weights give non-finite logits (the sample at step 3), so it stopped "
+            "without saving them; no checkpoint was saved before it: train again with a lower --learning_rate"
+        )
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 

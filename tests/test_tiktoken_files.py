@@ -177,3 +177,18 @@ def test_make_quickstart_stops_before_installing_anything(tmp_path: Path) -> Non
     assert all(line.startswith("make") for line in lines[1:]), lines  # make's own "*** [Makefile:N: tiktoken] Error 2"
     assert not venv.exists()
     assert seconds < 30
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--timeout", "inf"], "argument --timeout: inf is not a number of seconds in (0, 600]"),
+        (["--timeout", "nan"], "argument --timeout: nan is not a number of seconds in (0, 600]"),
+        (["--timeout", "0"], "argument --timeout: 0 is not a number of seconds in (0, 600]"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_arguments_are_one_line(tmp_path: Path, args: list[str], said: str) -> None:
+    proc, _ = run_check(tmp_path / "empty", *args)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr == f"error: {said} (see `python -m accel_gpt.tiktoken_files --help`)\n"

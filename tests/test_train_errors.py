@@ -220,7 +220,7 @@ def test_manifest_fields_of_the_wrong_type(
     manifest = json.loads((data / "manifest.json").read_text())
     (bad / "manifest.json").write_text(json.dumps({**manifest, field: value}))
     err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(bad))
-    assert f"{bad / 'manifest.json'}: {expected}; re-run `run.py prepare`" in err
+    assert f"{bad / 'manifest.json'}: {expected}; prepare the data again into a new --out_dir" in err
 
 
 def test_yaml_that_is_not_utf8(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> None:

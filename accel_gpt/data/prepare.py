@@ -411,8 +411,8 @@ def _load_state(job: Job, source: Source) -> State | None:
     ]
     if leftovers:
         raise DataError(
-            f"out_dir '{data_dir}' is not empty and holds no prepare output ({', '.join(sorted(leftovers)[:3])} ...); "
-            "use a new or empty folder"
+            f"out_dir '{data_dir}' holds files ({', '.join(sorted(leftovers)[:3])} ...) but neither a finished prepare "
+            "(manifest.json) nor the record of an interrupted one; prepare into a new or empty folder"
         )
     return None
 

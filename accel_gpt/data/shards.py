@@ -147,12 +147,16 @@ def write_manifest(data_dir: str | Path, manifest: dict[str, Any]) -> None:
 
 
 def prepare_hint(data_dir: Path) -> str:
-    """How to make `data_dir`: the prepare command with the two ways of naming the text."""
+    """How to make `data_dir`: the prepare command with the two ways of naming the text. prepare writes into a new
+    or empty folder only, so where `data_dir` holds files already, the command names another."""
     presets = ", ".join(preset_names(PrepareConfig))
-    return (
-        f"write it with `run.py prepare --dataset SRC --out_dir {data_dir}` (SRC: a text file or folder, a URL or a "
-        f"hub id) or `run.py prepare --preset NAME --out_dir {data_dir}` (NAME: {presets})"
+    taken = data_dir.is_dir() and any(data_dir.iterdir())
+    out = f"{data_dir}-prepared" if taken else str(data_dir)
+    said = (
+        f"write it with `run.py prepare --dataset SRC --out_dir {out}` (SRC: a text file or folder, a URL or a "
+        f"hub id) or `run.py prepare --preset NAME --out_dir {out}` (NAME: {presets})"
     )
+    return said + (f", a new folder since {data_dir} holds other files" if taken else "")
 
 
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
@@ -179,7 +183,7 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
 
 def _check_fields(manifest: dict[str, Any], path: Path) -> None:
     def bad(what: str) -> DataError:
-        return DataError(f"{path}: {what}; re-run `run.py prepare` to rewrite it")
+        return DataError(f"{path}: {what}; prepare the data again into a new --out_dir (prepare writes only there)")
 
     for key in ("vocab_size", "dtype", "splits", "tokenizer"):
         if key not in manifest:

@@ -62,7 +62,7 @@ DEFAULT_BATCH_SIZE = 8
 def run_eval(cfg: EvalConfig) -> None:
     cfg, windows_from = with_run_settings(cfg)
     if cfg.out:
-        check_out_path(Path(cfg.out))  # before minutes of scoring, not after
+        check_out_path(Path(cfg.out), cfg)  # before minutes of scoring, not after
     accelerator = make_accelerator()
     examples = None
     if cfg.hellaswag:
@@ -170,13 +170,35 @@ def _describe(tok: Tokenizer) -> str:
     return f"char ({tok.vocab_size} characters)" if tok.name == "char" else tok.name
 
 
-def check_out_path(path: Path) -> None:
-    """--out is a file in a folder that can be written (or made): refused up front, and nothing is created yet."""
+def check_out_path(path: Path, cfg: EvalConfig) -> None:
+    """--out is a file in a folder that can be written (or made): refused up front, and nothing is created yet. It
+    replaces only an earlier --out of eval: never the HellaSwag rows being scored, a file of the model's folder, or
+    any other file."""
     if path.is_dir() or not path.name or path.name in (".", ".."):
         raise UserError(f"--out {path} is a folder; give a file name, e.g. --out {path / 'predictions.jsonl'}")
+    target = path.resolve()
+    model = Path(cfg.checkpoint).resolve()
+    if Path(cfg.hellaswag).exists() and target == Path(cfg.hellaswag).resolve():
+        raise UserError(f"--out {path} is the --hellaswag file being scored; write the predictions to another file")
+    if model.is_dir() and (target.parent == model or model in target.parents):
+        raise UserError(f"--out {path} is inside the model's folder {cfg.checkpoint}; write the predictions elsewhere")
+    if path.is_file() and not _holds_predictions(path):
+        raise UserError(
+            f"--out {path} exists and is not a predictions file of `eval --out`; remove it or write to another file"
+        )
     folder = next(p for p in path.absolute().parents if p.exists())  # the nearest folder that exists
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise UserError(f"cannot write --out {path}: {folder} is not a writable folder")
+
+
+def _holds_predictions(path: Path) -> bool:
+    """Whether `path` is empty or its first line is a prediction row (what `write_predictions` writes)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+        return not first.strip() or {"ind", "label", "pred_norm"} <= set(json.loads(first))
+    except (OSError, UnicodeDecodeError, ValueError, TypeError):
+        return False
 
 
 def write_predictions(path: Path, predictions: list[Prediction]) -> None:

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from accel_gpt.config import TrainConfig
 from accel_gpt.data.loader import has_val, source_names, val_windows
 from accel_gpt.data.shards import read_manifest, tokens_per_byte
-from accel_gpt.errors import ConfigError
+from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.evaluate.hellaswag import (
     check_vocabulary,
     describe,
@@ -40,7 +40,8 @@ from accel_gpt.evaluate.hellaswag import (
     score_hellaswag,
 )
 from accel_gpt.evaluate.val_loss import bits_per_byte, evaluate_loss, no_bpb_note, short_split_note
-from accel_gpt.generate import encode_prompt, sample_texts
+from accel_gpt.generate import NonFiniteLogits, encode_prompt, sample_texts
+from accel_gpt.tracking import divergence_advice
 from accel_gpt.weights import ModelCard
 
 logger = get_logger(__name__)
@@ -100,7 +101,7 @@ class Evaluator:
             if "val" not in splits:
                 raise ConfigError(
                     f"eval_every={cfg.eval_every} but {cfg.data_dir} has no 'val' shards; "
-                    "prepare with --val_tokens N or set --eval_every 0"
+                    "prepare it again with --val_tokens N into a new --out_dir, or set --eval_every 0"
                 )
             self.val_sources = val_sources(cfg, accelerator)
             if cfg.sample_tokens:
@@ -128,7 +129,7 @@ class Evaluator:
             if self._val_due(step, last):
                 row |= self._val_losses()
                 if self.cfg.sample_tokens:
-                    logger.info(f"sample at step {step}: {self._sample()!r}")
+                    logger.info(f"sample at step {step}: {self._sample(step)!r}")
             if self._hellaswag_due(step, last):
                 metrics = hellaswag_metrics(score_hellaswag(self.model, self.accelerator, self.hellaswag_dl))
                 logger.info(f"HellaSwag at step {step}: {describe(metrics)}")
@@ -153,19 +154,28 @@ class Evaluator:
             row |= _bpb(f"val_bpb/{s.name}", losses[s.name], s.tokens_per_byte)
         return row
 
-    def _sample(self) -> str:
-        (text,) = sample_texts(
-            self.model,
-            self.card.model,
-            self.card.tokenizer,
-            self.cfg.sample_prompt,
-            self.cfg.sample_tokens,
-            temperature=1.0,
-            top_k=50,
-            seed=self.cfg.seed,
-            device=self.accelerator.device,
-            stop_early=False,  # every rank runs sample_tokens forward passes (see accel_gpt.generate)
-        )
+    def _sample(self, step: int) -> str:
+        """A sample of the weights of `step`; weights whose logits overflow stop the run as a divergence would (their
+        loss at the next step is the first that could show it)."""
+        try:
+            (text,) = sample_texts(
+                self.model,
+                self.card.model,
+                self.card.tokenizer,
+                self.cfg.sample_prompt,
+                self.cfg.sample_tokens,
+                temperature=1.0,
+                top_k=50,
+                seed=self.cfg.seed,
+                device=self.accelerator.device,
+                stop_early=False,  # every rank runs sample_tokens forward passes (see accel_gpt.generate)
+            )
+        except NonFiniteLogits:
+            advice = divergence_advice(self.cfg.out_dir, step + 1, self.cfg.optimizer)
+            raise UserError(
+                f"training diverged by step {step}: its weights give non-finite logits (the sample at step {step}), "
+                f"so it stopped without saving them; {advice}"
+            ) from None
         return text
 
     @contextlib.contextmanager
