@@ -599,14 +599,15 @@ def test_bad_file_through_the_cli_is_one_line_and_exit_2(
 ) -> None:
     bad = write_jsonl(tmp_path / "bad.jsonl", [hs_row(0, "ok", ["a", "b", "c", "d"], 0), {"ctx": "x"}])
     out = tmp_path / "preds.jsonl"
-    out.write_text("earlier output\n")
+    earlier = json.dumps({"ind": 0, "label": 1, "pred_norm": 1}) + "\n"  # an earlier `eval --out`
+    out.write_text(earlier)
     with pytest.raises(SystemExit) as exc:
         main(["eval", "--checkpoint", str(tiny_checkpoint), "--hellaswag", str(bad), "--out", str(out)])
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: {bad} line 2: missing field(s) endings, label (expected ctx, endings, label)"
     ]
-    assert out.read_text() == "earlier output\n"
+    assert out.read_text() == earlier
 
 
 @pytest.mark.parametrize(

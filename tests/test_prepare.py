@@ -420,7 +420,7 @@ def test_bad_inputs_give_one_line_and_leave_nothing(tmp_path: Path, docs: list[s
         "empty": (["--dataset", str(tmp_path / "empty.txt")], "has no documents"),
         "unwritable": (["--dataset", str(tmp_path / "docs.txt")], "cannot write to out_dir"),
         "too_much_val": (["--dataset", str(tmp_path / "docs.txt"), "--val_tokens", "10000000"], "no tokens left"),
-        "foreign": (["--dataset", str(tmp_path / "docs.txt")], "not empty"),
+        "foreign": (["--dataset", str(tmp_path / "docs.txt")], "holds files (notes.txt"),
         "hub_offline": (["--dataset", "nobody/no-such-dataset"], "could not load 'nobody/no-such-dataset'"),
         "local_split": (["--dataset", str(tmp_path / "docs.txt"), "--split", "test"], "has one split, 'train'"),
     }

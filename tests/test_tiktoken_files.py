@@ -37,8 +37,9 @@ PROXIES = {"http_proxy", "https_proxy", "all_proxy", "no_proxy"}
 
 
 def offline_env(cache: Path, **extra: str) -> dict[str, str]:
-    """This environment with `cache` as tiktoken's cache and no proxy (urllib would send a local address to one)."""
-    drop = {"TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"}
+    """This environment with `cache` as tiktoken's cache, no proxy (urllib would send a local address to one) and no
+    outer make's settings (a sub-make prints 'Entering directory')."""
+    drop = {"TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR", "MAKEFLAGS", "MAKELEVEL", "MFLAGS"}  # a make above the tests
     env = {k: v for k, v in os.environ.items() if k.lower() not in PROXIES and k not in drop}
     env.update(TIKTOKEN_CACHE_DIR=str(cache), **extra)
     return env
