@@ -62,6 +62,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, gather_object
 from accelerate.utils.constants import RNG_STATE_NAME
 
+from accel_gpt.bpe import TOKENIZER_FILE
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.data.shards import sha256_file
 from accel_gpt.errors import UserError
@@ -182,8 +183,10 @@ def data_identity(manifests: list[dict[str, Any]], weights: list[float]) -> dict
     """
     entries = [[[e["file"], e["tokens"], e["sha256"]] for e in m["splits"]["train"]] for m in manifests]
     fingerprint = json.dumps({"train": entries, "weights": weights} if len(manifests) > 1 else entries[0])
+    trained = {"tokenizer_sha256": manifests[0]["tokenizer_sha256"]} if "tokenizer_sha256" in manifests[0] else {}
     return {
         "tokenizer": manifests[0]["tokenizer"],
+        **trained,  # a bpe: which one
         "vocab_size": manifests[0]["vocab_size"],
         "train_shards_sha256": hashlib.sha256(fingerprint.encode()).hexdigest(),
     }
@@ -477,7 +480,7 @@ def retire_after(out_dir: str | Path, step: int) -> list[str]:
         os.replace(p, folder / p.name)
         moved.append(p.name)
     if final is not None and final > step:
-        for name in (WEIGHTS, MODEL_CONFIG):
+        for name in (WEIGHTS, MODEL_CONFIG, TOKENIZER_FILE):
             if (out_dir / name).exists():
                 os.replace(out_dir / name, folder / name)
         moved.append(f"final weights (step {final})")
@@ -559,7 +562,7 @@ def check_same_data(path: Path, saved: dict[str, Any], current: dict[str, Any], 
     Checkpoints from before the data was recorded carry no identity; their tokenizer is still compared, so that
     the next save cannot write another tokenizer into their model_config.json."""
     hint = f"to continue training its weights on this data, start a new run with --init_from {path}"
-    for key in ("tokenizer", "vocab_size", "train_shards_sha256"):
+    for key in ("tokenizer", "tokenizer_sha256", "vocab_size", "train_shards_sha256"):
         if key in saved and saved[key] != current.get(key):
             raise UserError(
                 f"cannot resume from {path}: it was trained on other data ({key} {saved[key]} there, "
@@ -586,7 +589,9 @@ def check_same_sharding(path: Path, fsdp: bool) -> None:
 def tokenizer_mismatch(weights: Tokenizer, data: Tokenizer) -> str:
     """Why weights trained with `weights` cannot train on data of `data` (two different tokenizers), in words."""
     if weights.name == data.name:
-        return f"its {weights.name} vocabulary ({weights.vocab_size} ids) is not the data's ({data.vocab_size} ids)"
+        other = " (another tokenizer.json)" if weights.name == "bpe" else ""
+        ids = f"{weights.vocab_size} ids{other}"
+        return f"its {weights.name} vocabulary ({ids}) is not the data's ({data.vocab_size} ids)"
     return (
         f"its tokenizer is {weights.name} ({weights.vocab_size} ids) but the data's is {data.name} ({data.vocab_size})"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import re
 import types
@@ -310,8 +311,11 @@ class TrainConfig(Config):
     seq_len: int = option(
         1024, "tokens per training sequence; also the model's context (position table)", bounds="[1, 1048576]"
     )
-    vocab_size: int = option(
-        50_304, "embedding rows: GPT-2's 50,257 padded to a multiple of 128 for fast matmuls", bounds="[1, 16777216]"
+    vocab_size: int | None = option(
+        None,
+        "embedding rows (unset: the data's vocabulary padded up to a multiple of 128 for fast matmuls, e.g. GPT-2's "
+        "50,257 -> 50,304)",
+        bounds="[1, 16777216]",
     )
     arch: Arch = option(
         "gpt2", "the block: gpt2 (GPT2LMHeadModel's) | nanochat (NanoChatForCausalLM's: rotary, RMSNorm, ReLU², untied)"
@@ -464,6 +468,8 @@ class TrainConfig(Config):
         self.resolve_arch()
         if not self.data_dir:
             raise ConfigError("data_dir is required: pass --data_dir DIR (a folder written by `run.py prepare`)")
+        if self.vocab_size is None:
+            self.vocab_size = padded_vocab(self.data_dirs[0])
         if len(set(self.data_dirs)) != len(self.data_dirs):
             raise ConfigError(f"data_dir={self.data_dir!r} names a folder twice; weigh it with data_weights instead")
         self.source_weights()  # one positive weight per data_dir folder
@@ -598,7 +604,25 @@ class TrainConfig(Config):
         return self.total_batch_size // per_micro
 
 
+def padded_vocab(data_dir: str, multiple: int = 128) -> int:
+    """The vocabulary of a prepared folder rounded up to `multiple` rows (the logits stop at the real ids). Where the
+    manifest cannot be read, GPT-2's padded 50,304: train then says what is wrong with the folder in one line."""
+    try:
+        size = json.loads((Path(data_dir) / "manifest.json").read_text(encoding="utf-8"))["vocab_size"]
+    except Exception:  # noqa: BLE001 - any unreadable manifest is train's to report, with its own checks
+        return 50_304
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        return 50_304
+    return -(-size // multiple) * multiple
+
+
 # ---------------------------------------------------------------------------------------------- prepare
+
+
+BPE_PARTS = (
+    "--tokenizer bpe learns its tokenizer once, before the parts: prepare (some of) the text on one machine first, "
+    "then give its tokenizer.json to every part with --tokenizer_file"
+)
 
 
 @dataclass
@@ -616,7 +640,22 @@ class PrepareConfig(Config):
     sample_by: Literal["", "line", "paragraph", "document"] = option(
         "", "plain text only: what one document is (unset: paragraph; document with --tokenizer char)"
     )
-    tokenizer: Literal["gpt2", "char"] = option("gpt2", "gpt2 (tiktoken BPE, EOT before every document) or char")
+    tokenizer: Literal["gpt2", "char", "bpe"] = option(
+        "gpt2",
+        "gpt2 (tiktoken BPE, EOT before every document), char, or bpe (a byte-level BPE of --vocab_size tokens trained "
+        "on the train split, EOT before every document)",
+    )
+    vocab_size: int | None = option(
+        None, "bpe: the tokenizer's ids, the 256 bytes and end-of-text included (unset: 8192)", bounds="[257, 65536]"
+    )
+    tokenizer_file: str = option(
+        "", "bpe: use this tokenizer.json (an earlier prepare's) instead of training one; every part of one prepare"
+    )
+    tokenizer_chars: int = option(
+        2_000_000_000,
+        "bpe: learn the tokenizer from at most the first N characters of train",
+        bounds="[1, inf)",
+    )
     out_dir: str = option("data/shards", "where shards and manifest.json go: train's data_dir (presets set their own)")
     shard_size: int = option(100_000_000, "tokens per shard", bounds="[1, inf)")
     val_tokens: int = option(
@@ -645,6 +684,15 @@ class PrepareConfig(Config):
             raise ConfigError(f"shard_index={self.shard_index} must be in 0..{self.num_shards - 1} (num_shards)")
         if self.tokenizer == "char" and (self.num_shards or 1) > 1:
             raise ConfigError("the char tokenizer builds its vocabulary from all the data, so it runs as one part")
+        if self.tokenizer != "bpe" and (self.vocab_size is not None or self.tokenizer_file):
+            flag = "--vocab_size" if self.vocab_size is not None else "--tokenizer_file"
+            raise ConfigError(f"{flag} is for --tokenizer bpe (the {self.tokenizer} tokenizer's vocabulary is fixed)")
+        if self.tokenizer_file and self.vocab_size is not None:
+            raise ConfigError("--tokenizer_file gives the vocabulary: leave --vocab_size out")
+        if self.tokenizer == "bpe" and not self.tokenizer_file and (self.num_shards or 1) > 1:
+            raise ConfigError(BPE_PARTS)
+        if self.tokenizer == "bpe" and self.vocab_size is None and not self.tokenizer_file:
+            self.vocab_size = 8192
         if not self.out_dir:
             raise ConfigError("--out_dir is empty: name the folder for the shards and manifest.json (train's data_dir)")
 

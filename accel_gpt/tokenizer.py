@@ -1,8 +1,10 @@
-"""The one description of a tokenizer: GPT-2's BPE (tiktoken) or a character vocabulary built from the data.
+"""The one description of a tokenizer: GPT-2's BPE (tiktoken), a byte-level BPE trained on the data (`bpe.py`), or
+a character vocabulary built from the data.
 
-A `Tokenizer` is two strings (its name and, for `char`, the vocabulary), so the same small object is
-written into the shard manifest and `model_config.json`, sent to the prepare workers, and used to
-encode prompts and decode samples. The char tokenizer is the classic tiny-Shakespeare start: its
+A `Tokenizer` is a few strings (its name; for `char` the vocabulary; for `bpe` the checksum of its `tokenizer.json`
+and where that file is), so the same small object is written into the shard manifest and `model_config.json`, sent
+to the prepare workers, and used to encode prompts and decode samples. Two `bpe` tokenizers are equal when their
+files are (the checksum), wherever the files lie. The char tokenizer is the classic tiny-Shakespeare start: its
 vocabulary is every character of the data, in code-point order, and it has no end-of-text token.
 
 An export's vocab.json and merges.txt (transformers' GPT-2 tokenizer files) are derived from tiktoken's mergeable
@@ -12,35 +14,61 @@ ranks, the same source that `prepare` tokenizes with, so a transformers tokenize
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from accel_gpt import bpe
 from accel_gpt.errors import UserError
+from accel_gpt.files import atomic_write
 
 GPT2_EOT = 50256  # <|endoftext|>
 GPT2_VOCAB = 50257
-NAMES = ("gpt2", "char")
+NAMES = ("gpt2", "char", "bpe")
 
 
 @dataclass(frozen=True)
 class Tokenizer:
-    name: str  # gpt2 | char
+    name: str  # gpt2 | char | bpe
     chars: str = ""  # char only: the vocabulary, id i is chars[i] (sorted by code point)
+    sha256: str = ""  # bpe only: the checksum of its tokenizer.json
+    file: str = field(default="", compare=False)  # bpe only: where that tokenizer.json is
 
     def __post_init__(self) -> None:
         if self.name not in NAMES:
             raise ValueError(f"unknown tokenizer {self.name!r}; expected one of {', '.join(NAMES)}")
+        if self.name == "bpe" and not (self.sha256 and self.file):
+            raise ValueError("a bpe tokenizer needs the sha256 of its tokenizer.json and the file")
+
+    @classmethod
+    def bpe_file(cls, path: str | Path) -> Tokenizer:
+        """The bpe tokenizer of a `tokenizer.json` as it is now (its checksum taken from the file)."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read the tokenizer file {path}: {e}") from None
+        tok = cls("bpe", sha256=bpe.sha256_text(text), file=str(path))
+        bpe.parse(text, str(path))  # a file that is no tokenizer of ours: one line, now
+        return tok
+
+    @property
+    def _bpe(self) -> bpe.BPE:
+        return bpe.load(self.file, self.sha256)
 
     @property
     def vocab_size(self) -> int:
+        if self.name == "bpe":
+            return self._bpe.vocab_size
         return GPT2_VOCAB if self.name == "gpt2" else len(self.chars)
 
     @property
     def eot_token(self) -> int | None:
-        """GPT-2 puts end-of-text before every document; a char stream has no separator."""
+        """GPT-2 and bpe put end-of-text before every document; a char stream has no separator."""
+        if self.name == "bpe":
+            return self._bpe.eot
         return GPT2_EOT if self.name == "gpt2" else None
 
     @property
@@ -50,12 +78,15 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """GPT-2: tiktoken's `encode_ordinary`, so '<|endoftext|>' in the text stays text. Char: ValueError on a
         character outside the vocabulary."""
-        if self.name == "gpt2":
-            return _tiktoken_gpt2().encode_ordinary(text)
+        if self.name != "char":
+            return self._tiktoken().encode_ordinary(text)
         return self.encode_array(text).tolist()
 
+    def _tiktoken(self) -> Any:
+        return _tiktoken_gpt2() if self.name == "gpt2" else self._bpe.encoding
+
     def encode_array(self, text: str) -> np.ndarray:
-        if self.name == "gpt2":
+        if self.name != "char":
             return np.asarray(self.encode(text), dtype=self.dtype)
         vocab, points = _codepoints(self.chars), _codepoints(text)
         ids = np.searchsorted(vocab, points)  # no Python loop per character
@@ -68,8 +99,8 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """Ids outside the vocabulary (the padded rows of a model's embedding) are skipped, not an error."""
         ids = [i for i in ids if 0 <= i < self.vocab_size]
-        if self.name == "gpt2":
-            return _tiktoken_gpt2().decode(ids)
+        if self.name != "char":
+            return self._tiktoken().decode(ids)
         return "".join(self.chars[i] for i in ids)
 
     def token_bytes(self) -> np.ndarray:
@@ -78,17 +109,30 @@ class Tokenizer:
         return _token_bytes(self)
 
     def load(self) -> Tokenizer:
-        """Read what encoding needs now (GPT-2's BPE files), so that a missing file is said before work begins."""
-        if self.name == "gpt2":
-            _tiktoken_gpt2()
+        """Read what encoding needs now (GPT-2's BPE files, or the bpe's tokenizer.json checked against its checksum),
+        so that a missing or changed file is said before work begins."""
+        if self.name != "char":
+            self._tiktoken()
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        if self.name == "bpe":
+            return {"name": "bpe", "sha256": self.sha256, "vocab_size": self.vocab_size}
         return {"name": self.name, "chars": self.chars} if self.name == "char" else {"name": self.name}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Tokenizer:
+    def from_dict(cls, d: dict[str, Any], folder: str | Path = "") -> Tokenizer:
+        """`folder` holds the bpe's tokenizer.json (a model's folder, a data folder)."""
+        if d["name"] == "bpe":
+            return cls("bpe", sha256=d["sha256"], file=str(Path(folder) / bpe.TOKENIZER_FILE))
         return cls(d["name"], d.get("chars") or "")
+
+    def copy_to(self, folder: Path) -> None:
+        """A bpe's tokenizer.json into `folder` (written whole or not at all), unless it is there already."""
+        target = Path(folder) / bpe.TOKENIZER_FILE
+        if self.name != "bpe" or (target.is_file() and bpe.sha256_text(target.read_text("utf-8")) == self.sha256):
+            return
+        atomic_write(target, bpe.read(Path(self.file), self.sha256))
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -111,7 +155,11 @@ def _codepoints(text: str) -> np.ndarray:
 
 @lru_cache(maxsize=4)
 def _token_bytes(tok: Tokenizer) -> np.ndarray:
-    """uint8 per id (the longest GPT-2 token is 128 bytes, a character at most 4): built once per tokenizer."""
+    """uint8 per id (the longest GPT-2 token is 128 bytes, a character at most 4; uint16 for a trained bpe with a longer
+    one): built once per tokenizer."""
+    if tok.name == "bpe":
+        lengths = tok._bpe.token_lengths()
+        return np.array(lengths, dtype=np.uint8 if max(lengths) < 256 else np.uint16)
     if tok.name == "gpt2":
         enc = _tiktoken_gpt2()
         lengths = np.array([len(enc.decode_single_token_bytes(i)) for i in range(GPT2_VOCAB)], dtype=np.uint8)

@@ -264,7 +264,7 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
         # come from and a checkpoint restores (a resume creates the iterator after the restore, a run from 0 before).
         generator=torch.Generator(),
     )
-    tokenizer = shards.tokenizer(train_ds.manifest)
+    tokenizer = shards.tokenizer(train_ds.manifest, cfg.data_dirs[0])
     model = build_model(cfg, tokenizer)
     card = ModelCard(model.config, tokenizer)
     flops_per_token = model.flops_per_token()

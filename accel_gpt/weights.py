@@ -58,6 +58,8 @@ class ModelCard:
 
 
 def write_model_config(folder: Path, card: ModelCard) -> None:
+    """model_config.json, and a trained bpe's tokenizer.json beside it: a model's folder is all it needs."""
+    card.tokenizer.copy_to(Path(folder))
     atomic_write_json(Path(folder) / MODEL_CONFIG, card.to_dict())
 
 
@@ -65,10 +67,12 @@ def read_model_config(folder: Path) -> ModelCard:
     path = Path(folder) / MODEL_CONFIG
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-        model, tokenizer = GPTConfig(**meta["model"]), Tokenizer.from_dict(meta["tokenizer"])
-        return ModelCard(model, tokenizer, meta.get("step"), meta.get("history"), meta.get("picked"))
+        model, tokenizer = GPTConfig(**meta["model"]), Tokenizer.from_dict(meta["tokenizer"], folder)
+        card = ModelCard(model, tokenizer, meta.get("step"), meta.get("history"), meta.get("picked"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"{path} is not a readable accel_gpt model config ({type(e).__name__}: {e})") from None
+    tokenizer.load()  # a bpe's tokenizer.json missing or changed: one line now
+    return card
 
 
 def save_weights(state_dict: dict[str, torch.Tensor], card: ModelCard, out_dir: Path) -> None:

@@ -254,7 +254,7 @@ def test_char_tokenizer_defaults_to_whole_documents(tmp_path: Path, shakespeare_
     manifest = shards.read_manifest(tmp_path / "out")
     assert manifest["chars"] == "".join(sorted(set(text))) and manifest["vocab_size"] == len(set(text))
     assert manifest["eot_token"] is None and manifest["dtype"] == "uint16"
-    assert shards.tokenizer(manifest).decode(stream(tmp_path / "out").tolist()) == text
+    assert shards.tokenizer(manifest, tmp_path / "out").decode(stream(tmp_path / "out").tolist()) == text
     assert manifest["splits"]["val"][0]["tokens"] == 3000
 
 
@@ -265,7 +265,7 @@ def test_char_vocabulary_over_65535_is_uint32(tmp_path: Path) -> None:
     prepare(opts(tmp_path, src, tokenizer="char", sample_by="document", shard_size=50_000))
     manifest = shards.read_manifest(tmp_path / "out")
     assert manifest["vocab_size"] == len(chars) > 65_535 and manifest["dtype"] == "uint32"
-    assert shards.tokenizer(manifest).decode(stream(tmp_path / "out").tolist()) == text
+    assert shards.tokenizer(manifest, tmp_path / "out").decode(stream(tmp_path / "out").tolist()) == text
 
 
 @pytest.mark.slow
@@ -350,7 +350,7 @@ def test_the_char_preset_prepares_the_bundled_text_offline(tmp_path: Path) -> No
     prepare(cli_config(["--preset", "shakespeare-char", "--out_dir", str(out)]))
     manifest = shards.read_manifest(out)
     assert manifest["tokens"] == {"train": 1_115_394 - 111_540, "val": 111_540} and manifest["vocab_size"] == 65
-    assert shards.tokenizer(manifest).decode(stream(out).tolist()) == BUNDLED_TEXT.read_text()
+    assert shards.tokenizer(manifest, out).decode(stream(out).tolist()) == BUNDLED_TEXT.read_text()
 
 
 @pytest.mark.parametrize("preset", ["tinyshakespeare", "shakespeare-char"])
@@ -367,7 +367,7 @@ def test_presets_on_the_local_file(preset: str, tmp_path: Path, shakespeare_path
     assert manifest["tokens"] == {"train": total - val, "val": val} == summary.tokens
     assert manifest["documents"] == {"val": 1, "train": 0} and manifest["source"]["sample_by"] == "document"
     assert manifest["tokenizer"] == ("gpt2" if gpt2 else "char") and manifest["args"]["preset"] == preset
-    assert shards.tokenizer(manifest).decode(stream(out).tolist()) == ("<|endoftext|>" if gpt2 else "") + text
+    assert shards.tokenizer(manifest, out).decode(stream(out).tolist()) == ("<|endoftext|>" if gpt2 else "") + text
 
 
 def test_url_source_served_locally(tmp_path: Path, docs: list[str], tok, monkeypatch) -> None:

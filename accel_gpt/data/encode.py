@@ -21,8 +21,9 @@ import numpy as np
 from accel_gpt.errors import DataError, UserError
 from accel_gpt.tokenizer import Tokenizer, char_vocabulary
 
-# The cut goes just before one of these, and only where the character before it is not whitespace.
-_CUT_BEFORE = ("\n", " ")
+# The cut goes just before one of these, and only where the character before it is not whitespace. A trained bpe's
+# pattern keeps newlines with the punctuation before them (`bpe.SPLIT_PATTERN`), so it is cut before spaces only.
+CUT_BEFORE = {"gpt2": ("\n", " "), "char": ("\n", " "), "bpe": (" ",)}
 
 
 @dataclass
@@ -46,7 +47,11 @@ class NullRows:
 
 
 def make_tasks(
-    texts: Iterable[str | None], first_doc: int, task_chars: int, nulls: NullRows | None = None
+    texts: Iterable[str | None],
+    first_doc: int,
+    task_chars: int,
+    nulls: NullRows | None = None,
+    cut_before: tuple[str, ...] = CUT_BEFORE["gpt2"],
 ) -> Iterator[Task]:
     """Group documents into tasks of at most `task_chars` characters; cut longer documents into safe pieces (a
     document without a safe cut stays whole and makes an oversized task). Rows are numbered from `first_doc`; a row
@@ -57,7 +62,7 @@ def make_tasks(
         if text is None:
             nulls.count += 1
             continue
-        pieces = iter_pieces(text, task_chars) if len(text) > task_chars else (text,)
+        pieces = iter_pieces(text, task_chars, cut_before) if len(text) > task_chars else (text,)
         for k, piece in enumerate(pieces):
             if task.texts and task.chars + len(piece) > task_chars:
                 yield task
@@ -74,7 +79,7 @@ def make_tasks(
         yield task
 
 
-def iter_pieces(text: str, max_chars: int) -> Iterator[str]:
+def iter_pieces(text: str, max_chars: int, cut_before: tuple[str, ...] = CUT_BEFORE["gpt2"]) -> Iterator[str]:
     """Cut `text` into pieces of about `max_chars` whose GPT-2 tokens, concatenated, equal the tokens of `text`.
 
     Why the cut is safe: GPT-2's pre-tokenizer regex
@@ -85,12 +90,14 @@ def iter_pieces(text: str, max_chars: int) -> Iterator[str]:
     forward (its one lookahead, `(?!\\S)`, applies to whitespace runs, which on the left end before text[p-1]), so
     the pieces of text[:p] and text[p:] on their own are the pieces of the whole. `str.isspace` is a superset of
     the regex's `\\s`, so testing text[p-1] with it only ever rejects a cut, never allows a wrong one.
+    A trained bpe's pattern (`bpe.SPLIT_PATTERN`) differs in one way that matters here: punctuation takes the newlines
+    after it (`?[^\\s\\p{L}\\p{N}]++[\\r\\n]*`), so its pieces end before a space only (`cut_before`).
     A text without any such position stays whole. `tests/test_prepare.py` checks the equality on real and
     adversarial text. One piece at a time, so a huge document is not held twice (whole and in pieces).
     """
     start = 0
     while len(text) - start > max_chars:
-        cut = _safe_cut(text, start, start + max_chars)
+        cut = _safe_cut(text, start, start + max_chars, cut_before)
         if cut is None:
             break
         yield text[start:cut]
@@ -98,10 +105,10 @@ def iter_pieces(text: str, max_chars: int) -> Iterator[str]:
     yield text[start:]
 
 
-def _safe_cut(text: str, lo: int, target: int) -> int | None:
+def _safe_cut(text: str, lo: int, target: int, cut_before: tuple[str, ...]) -> int | None:
     """The safe cut nearest below `target` (but above `lo`), else the nearest above it, else None."""
     best = None
-    for sep in _CUT_BEFORE:
+    for sep in cut_before:
         p = text.rfind(sep, lo + 1, target + 1)
         while p > lo and text[p - 1].isspace():
             p = text.rfind(sep, lo + 1, p)
@@ -109,7 +116,7 @@ def _safe_cut(text: str, lo: int, target: int) -> int | None:
             best = p
     if best is not None:
         return best
-    for sep in _CUT_BEFORE:
+    for sep in cut_before:
         p = text.find(sep, target)
         while p != -1 and text[p - 1].isspace():
             p = text.find(sep, p + 1)
@@ -121,7 +128,7 @@ def _safe_cut(text: str, lo: int, target: int) -> int | None:
 def encode_pieces(tok: Tokenizer, texts: list[str], first: list[bool]) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of the pieces back to back, and each piece's token count.
 
-    gpt2: a piece that begins a document (`first`) is preceded by the end-of-text token, so the stream reads
+    gpt2 and bpe: a piece that begins a document (`first`) is preceded by the end-of-text token, so the stream reads
     `EOT doc0 EOT doc1 ...`: every document, wherever it lands (another shard, another machine's part), starts
     with EOT, and any concatenation of parts is itself a valid stream. char: no separator at all.
     """

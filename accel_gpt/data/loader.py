@@ -280,7 +280,7 @@ def check_same_tokenizer(manifests: Sequence[dict[str, Any]], folders: Sequence[
     """A mixture's windows go through one embedding: every source must use the same tokenizer and vocabulary."""
 
     def describe(m: dict[str, Any]) -> tuple:
-        return m["tokenizer"], m["vocab_size"], m.get("chars") or "", m.get("eot_token")
+        return m["tokenizer"], m["vocab_size"], m.get("chars") or "", m.get("tokenizer_sha256"), m.get("eot_token")
 
     for manifest, folder in zip(manifests[1:], folders[1:], strict=True):
         if describe(manifest) != describe(manifests[0]):

@@ -14,7 +14,7 @@ from accel_gpt.data import shards
 from accel_gpt.errors import DataError
 
 # Manifest fields every part must share: the shards of all parts are read as one stream of one vocabulary.
-_SHARED = ("tokenizer", "chars", "vocab_size", "dtype", "eot_token")
+_SHARED = ("tokenizer", "chars", "tokenizer_sha256", "vocab_size", "dtype", "eot_token")
 # Arguments that differ between the parts of one prepare by design.
 _PER_PART = ("shard_index", "num_proc")
 
@@ -95,6 +95,7 @@ def merge_parts(out_dir: str | Path, checksums: bool = True) -> dict[str, Any]:
             raise DataError(f"part {name} was prepared with other arguments than {names[0]}")
     merged = merge_manifests(parts)
     merged["args"] = args[0]
+    shards.tokenizer(parts[0][1], out_dir / names[0]).copy_to(out_dir)  # a bpe's tokenizer.json beside the manifest
     shards.write_manifest(out_dir, merged)
     return merged
 

@@ -95,6 +95,7 @@ class State:
     shards: list[dict[str, Any]] = field(default_factory=list)
     resume: Resume = field(default_factory=Resume)
     inputs: list[dict[str, Any]] | None = None
+    tokenizer_sha256: str | None = None  # bpe: the checksum of the tokenizer.json beside the shards
 
     def save(self, data_dir: Path) -> None:
         atomic_write_json(data_dir / STATE_FILE, asdict(self), indent=1)
@@ -107,6 +108,7 @@ class State:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
             state = cls(raw["identity"], raw["chars"], raw["shards"], Resume(**raw["resume"]), raw.get("inputs"))
+            state.tokenizer_sha256 = raw.get("tokenizer_sha256")
             for entry in state.shards:
                 _check_entry(entry)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:

@@ -1,4 +1,4 @@
-"""`run.py prepare`: text -> GPT-2 (or char) token shards + manifest.json.
+"""`run.py prepare`: text -> GPT-2 (or char, or a BPE trained on the text) token shards + manifest.json.
 
 The choices a reader needs before the code:
 
@@ -9,6 +9,10 @@ The choices a reader needs before the code:
   multi-line passage; `document` makes a whole file one document, which suits a folder of separate files and the
   tinyshakespeare presets (nanoGPT encodes that file as one text). With `--tokenizer char` the default is
   `document`: char streams have no separator, and paragraphs glued together would lose their blank lines.
+- **A trained tokenizer** (`--tokenizer bpe --vocab_size N`, `train_bpe.py`): a byte-level BPE learned from the
+  train split only, before any shard is written, and stored as `tokenizer.json` beside the manifest (its sha256 in
+  `tokenizer_sha256`). The state records its checksum, so a resume encodes with the same one. `--tokenizer_file F`
+  takes an earlier prepare's instead: how the parts of a prepare on several machines share one.
 - **EOT placement**: the end-of-text token 50256 *precedes every document*, so the stream is `EOT d0 EOT d1 ...`.
   A document then starts with EOT wherever it lands, the concatenation of any parts is again a valid stream, and
   splitting the tokens at 50256 and decoding gives back the documents exactly (`encode_ordinary` keeps a literal
@@ -59,14 +63,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from accel_gpt.config import PrepareConfig
+from accel_gpt import bpe
+from accel_gpt.config import BPE_PARTS, PrepareConfig
 from accel_gpt.data import shards
-from accel_gpt.data.encode import NullRows, encode_pieces, make_tasks, unique_chars, warm_gpt2
+from accel_gpt.data.encode import CUT_BEFORE, NullRows, encode_pieces, make_tasks, unique_chars, warm_gpt2
 from accel_gpt.data.merge import all_parts_finished, merge_if_complete, merge_parts, part_dir_name
 from accel_gpt.data.pipeline import STATE_FILE, State, StreamWriter, Workers
 from accel_gpt.data.sources import Source, Stream, open_streams, resolve_source
+from accel_gpt.data.train_bpe import train_tokenizer
 from accel_gpt.errors import ConfigError, DataError, UserError
-from accel_gpt.files import LOCK, TMP_MARK, locked, remove_temporaries
+from accel_gpt.files import LOCK, TMP_MARK, atomic_write, locked, remove_temporaries
 from accel_gpt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -74,7 +80,8 @@ log = logging.getLogger(__name__)
 # Errors of a full or read-only disk: one line, and what was written stays for a resume.
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 # Settings that change speed or where the output goes, never its bytes: a re-run may change them.
-_NOT_IDENTITY = ("out_dir", "num_proc", "task_chars", "merge", "config")
+_NOT_IDENTITY = ("out_dir", "num_proc", "task_chars", "merge", "config", "tokenizer_file")
+_BPE_ONLY = ("vocab_size", "tokenizer_chars")  # recorded for a bpe only, so that older records still match
 _SPLIT_ORDER = {"train": 0, "val": 1}
 
 
@@ -98,6 +105,8 @@ class Job:
             raise ConfigError(f"shard_index={index} must be in 0..{count - 1} (num_shards)")
         if cfg.tokenizer == "char" and count > 1:
             raise ConfigError("the char tokenizer builds its vocabulary from all the data, so it runs as one part")
+        if cfg.tokenizer == "bpe" and count > 1 and not cfg.tokenizer_file:
+            raise ConfigError(BPE_PARTS)
         return cls(cfg, index, count)
 
     @property
@@ -111,6 +120,11 @@ class Job:
         found = {k: v for k, v in self.cfg.to_dict().items() if k not in _NOT_IDENTITY}
         # limit 0 (every document) is recorded as null; preset is the --preset (or --config file) used
         found.update(limit=self.cfg.limit or None, num_shards=self.count, shard_index=self.index)
+        if self.cfg.tokenizer != "bpe":
+            found = {k: v for k, v in found.items() if k not in _BPE_ONLY}
+        elif self.cfg.tokenizer_file:  # the file's content, not its path, decides the tokens
+            given = Tokenizer.bpe_file(self.cfg.tokenizer_file)
+            found = {k: v for k, v in found.items() if k not in _BPE_ONLY} | {"tokenizer_sha256": given.sha256}
         return found | {"preset": self.cfg.config or None}
 
     def args(self) -> dict[str, Any]:
@@ -170,7 +184,7 @@ def continued_splits(data_dir: Path, manifest: dict[str, Any]) -> frozenset[str]
     every GPT-2 document (one token read; char data has no such marker, so it is never said)."""
     if manifest.get("eot_position") != "before_each_document":
         return frozenset()
-    eot = shards.tokenizer(manifest).eot_token
+    eot = shards.tokenizer(manifest, data_dir).eot_token
     starts = {split: shards.first_token(data_dir, manifest, split) for split in manifest["splits"]}
     return frozenset(split for split, first in starts.items() if first is not None and first != eot)
 
@@ -240,8 +254,8 @@ def _prepare(job: Job, source: Source, workers: Workers, start: float) -> Summar
     streams = open_streams(source, job.cfg, job.index, job.count)
     resumed = state is not None
     state = state or State(identity=job.identity(), inputs=source.inputs())
-    if resumed:
-        state.keep_intact_shards(data_dir, Tokenizer(job.cfg.tokenizer, state.chars or ""))
+    if resumed and state.shards:
+        state.keep_intact_shards(data_dir, _recorded_tokenizer(job, state))
     remove_temporaries(data_dir)
     try:
         tok = _tokenizer(job, streams, state, workers)
@@ -422,6 +436,7 @@ def _discard(data_dir: Path) -> None:
     for path in data_dir.glob("*.bin"):
         if _is_shard(path.name):
             path.unlink()
+    (data_dir / bpe.TOKENIZER_FILE).unlink(missing_ok=True)
     remove_temporaries(data_dir)
     (data_dir / STATE_FILE).unlink(missing_ok=True)
 
@@ -430,10 +445,21 @@ def _is_shard(name: str) -> bool:
     return re.fullmatch(r"(train|val)_\d{6}\.bin", name) is not None
 
 
+def _recorded_tokenizer(job: Job, state: State) -> Tokenizer:
+    """The tokenizer an interrupted prepare wrote its shards with."""
+    if job.cfg.tokenizer == "bpe":
+        file = job.data_dir / bpe.TOKENIZER_FILE
+        return Tokenizer("bpe", sha256=state.tokenizer_sha256 or "none recorded", file=str(file)).load()
+    return Tokenizer(job.cfg.tokenizer, state.chars or "")
+
+
 def _tokenizer(job: Job, streams: list[Stream], state: State, workers: Workers) -> Tokenizer:
-    """gpt2 needs nothing; char needs its vocabulary: one parallel pass over all the text (kept in the state)."""
+    """gpt2 needs nothing; char needs its vocabulary: one parallel pass over all the text (kept in the state); bpe
+    is learned from the train split, or read from --tokenizer_file (its checksum kept in the state)."""
     if job.cfg.tokenizer == "gpt2":
         return Tokenizer("gpt2").load()  # BPE files missing offline: said before the progress bar starts
+    if job.cfg.tokenizer == "bpe":
+        return _bpe_tokenizer(job, streams, state)
     if state.chars is None:
         seen: set[str] = set()
         for stream in streams:
@@ -444,6 +470,21 @@ def _tokenizer(job: Job, streams: list[Stream], state: State, workers: Workers) 
             raise DataError(f"'{job.cfg.dataset}' has no text (every document is empty)")
         state.chars = "".join(sorted(seen))
     return Tokenizer("char", state.chars)
+
+
+def _bpe_tokenizer(job: Job, streams: list[Stream], state: State) -> Tokenizer:
+    """The state's checksum is saved before the file is written: a kill between the two leaves a state whose file is
+    missing, which (no shard written yet) is made again here."""
+    target = job.data_dir / bpe.TOKENIZER_FILE
+    if state.tokenizer_sha256 is None or not (target.is_file() or state.shards):
+        if job.cfg.tokenizer_file:
+            text = bpe.read(Path(job.cfg.tokenizer_file), Tokenizer.bpe_file(job.cfg.tokenizer_file).sha256)
+        else:
+            text = train_tokenizer(job.cfg, streams[-1])  # the train stream: it comes after any val split
+        state.tokenizer_sha256 = bpe.sha256_text(text)
+        state.save(job.data_dir)
+        atomic_write(target, text)
+    return _recorded_tokenizer(job, state)
 
 
 def _write_streams(job: Job, streams: list[Stream], tok: Tokenizer, state: State, workers: Workers) -> None:
@@ -457,7 +498,7 @@ def _write_streams(job: Job, streams: list[Stream], tok: Tokenizer, state: State
             stream = streams[index]
             first_doc = state.resume.doc
             nulls = NullRows(state.resume.nulls)
-            tasks = make_tasks(stream.texts(first_doc), first_doc, cfg.task_chars, nulls)
+            tasks = make_tasks(stream.texts(first_doc), first_doc, cfg.task_chars, nulls, CUT_BEFORE[tok.name])
             writer = StreamWriter(job.data_dir, tok, cfg.shard_size, stream.split, stream.val_tokens, index, state)
             try:
                 for task, (tokens, lengths) in workers.map(encode_pieces, tok, tasks):

@@ -4,7 +4,8 @@ A shard is a bare array of token ids with no header, so it can be memory-mapped 
 about it lives in the manifest:
 
     {"format": "accel_gpt-shards", "version": 1,
-     "tokenizer": "gpt2" | "char", "chars": "<vocabulary, char tokenizer only>",
+     "tokenizer": "gpt2" | "char" | "bpe", "chars": "<vocabulary, char tokenizer only>",
+     "tokenizer_sha256": "<bpe only: the checksum of tokenizer.json, which lies beside the manifest>",
      "eot_token": 50256 | null, "vocab_size": 50257, "dtype": "uint16",
      "splits": {"train": [{"file": "train_000000.bin", "tokens": N, "sha256": "...", "bytes": B}, ...],
                 "val": [...]},
@@ -46,7 +47,7 @@ from typing import Any, Literal
 import numpy as np
 
 from accel_gpt.config import PrepareConfig, preset_names
-from accel_gpt.errors import DataError
+from accel_gpt.errors import DataError, UserError
 from accel_gpt.files import atomic_write_json, publish, temp_sibling
 from accel_gpt.tokenizer import Tokenizer, dtype_for_vocab
 
@@ -133,7 +134,7 @@ def tokens_per_byte(manifest: dict[str, Any], split: str) -> float | None:
 
 def add_byte_counts(data_dir: str | Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """An older manifest with the byte counts it lacks, counted from its shards (which must be verified first)."""
-    table = tokenizer(manifest).token_bytes()
+    table = tokenizer(manifest, data_dir).token_bytes()
     splits = {}
     for split, entries in manifest["splits"].items():
         arrays = open_split(data_dir, manifest, split)
@@ -216,9 +217,11 @@ def _check_fields(manifest: dict[str, Any], path: Path) -> None:
     if not isinstance(counts, dict) or not all(_is_count(n) for n in counts.values()):
         raise bad(f"bytes must map split names to byte counts, got {counts!r}")
     try:
-        tokenizer(manifest)
+        tokenizer(manifest, path.parent)
     except (ValueError, TypeError) as e:
         raise bad(str(e)) from None
+    except UserError as e:  # the bpe's tokenizer.json missing, changed or unreadable
+        raise DataError(str(e)) from None
 
 
 def _other_files(splits: dict[str, list[dict[str, Any]]], split: str) -> set[str]:
@@ -239,9 +242,16 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def tokenizer(manifest: dict[str, Any]) -> Tokenizer:
-    """The tokenizer the shards were written with (its vocabulary must agree with the manifest's)."""
-    tok = Tokenizer(manifest["tokenizer"], manifest.get("chars") or "")
+def tokenizer(manifest: dict[str, Any], data_dir: str | Path) -> Tokenizer:
+    """The tokenizer the shards were written with (its vocabulary must agree with the manifest's); a bpe's
+    tokenizer.json is read from `data_dir` and checked against the manifest's checksum."""
+    if manifest["tokenizer"] == "bpe":
+        sha256 = manifest.get("tokenizer_sha256")
+        if not isinstance(sha256, str):
+            raise ValueError("a bpe manifest needs tokenizer_sha256 (the checksum of its tokenizer.json)")
+        tok = Tokenizer.from_dict({"name": "bpe", "sha256": sha256}, data_dir).load()
+    else:
+        tok = Tokenizer(manifest["tokenizer"], manifest.get("chars") or "")
     if tok.vocab_size != manifest["vocab_size"]:
         raise ValueError(f"vocab_size {manifest['vocab_size']} is not the {tok.name} tokenizer's {tok.vocab_size}")
     return tok
@@ -252,6 +262,8 @@ def tokenizer_fields(tok: Tokenizer) -> dict[str, Any]:
     fields: dict[str, Any] = {"tokenizer": tok.name}
     if tok.name == "char":
         fields["chars"] = tok.chars
+    if tok.name == "bpe":
+        fields["tokenizer_sha256"] = tok.sha256
     return fields | {"eot_token": tok.eot_token, "vocab_size": tok.vocab_size, "dtype": tok.dtype.name}
 
 

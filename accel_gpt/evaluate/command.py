@@ -155,7 +155,7 @@ def val_data(cfg: EvalConfig, card: ModelCard) -> tuple[Subset, float | None]:
 def check_same_tokenizer(manifest: dict[str, Any], model_tok: Tokenizer, data_dir: str, checkpoint: str) -> None:
     """The shards must be in the model's own tokens: ids of another tokenizer index the same embedding rows and give a
     val_loss that looks like a number but means nothing (a GPT-2 model on char ids, or the reverse)."""
-    data_tok = shards.tokenizer(manifest)
+    data_tok = shards.tokenizer(manifest, data_dir)
     if data_tok == model_tok:
         return
     what, want = _describe(data_tok), _describe(model_tok)
@@ -167,6 +167,8 @@ def check_same_tokenizer(manifest: dict[str, Any], model_tok: Tokenizer, data_di
 
 
 def _describe(tok: Tokenizer) -> str:
+    if tok.name == "bpe":
+        return f"bpe ({tok.vocab_size} tokens)"
     return f"char ({tok.vocab_size} characters)" if tok.name == "char" else tok.name
 
 

@@ -1,0 +1,312 @@
+"""`prepare --tokenizer bpe`: a byte-level BPE learned from the train split, its tokenizer.json beside the shards and in
+every model folder, exact bytes per token, and one line for each way its files can be wrong."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import python_cmd, run_cmd
+
+from accel_gpt import bpe
+from accel_gpt.cli import main as cli_main
+from accel_gpt.config import PrepareConfig
+from accel_gpt.data import shards
+from accel_gpt.data.encode import CUT_BEFORE, iter_pieces
+from accel_gpt.data.prepare import prepare
+from accel_gpt.tokenizer import Tokenizer
+
+MARK = "qzxqzx"  # a word only the held-out paragraphs have
+
+
+@pytest.fixture(autouse=True)
+def hf_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    import datasets
+
+    cache = tmp_path_factory.getbasetemp() / "hf_datasets_cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    return cache
+
+
+def paragraphs(shakespeare_path: Path) -> list[str]:
+    """Shakespeare's paragraphs: the first 10 (held out) carry MARK 20 times, every third one multi-byte characters
+    (2, 3 and 4 bytes), and the first a character found nowhere else."""
+    found = [p for p in shakespeare_path.read_text().split("\n\n") if p.strip()][:400]
+    found = [f"{p} {' '.join([MARK] * 20)}." if i < 10 else p for i, p in enumerate(found)]
+    found = [f"{p} ñ 中文 🙂" if i % 3 == 0 else p for i, p in enumerate(found)]
+    return [f"{found[0]} ꙮ", *found[1:]]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory, shakespeare_path: Path) -> Path:
+    path = tmp_path_factory.mktemp("bpe") / "docs.txt"
+    path.write_text("\n\n".join(paragraphs(shakespeare_path)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory, text_file: Path) -> Path:
+    out = tmp_path_factory.mktemp("bpe_data") / "d"
+    prepare(PrepareConfig(dataset=str(text_file), out_dir=str(out), tokenizer="bpe", vocab_size=400, val_tokens=5000))
+    return out
+
+
+def test_the_tokenizer_never_sees_the_held_out_text(prepared: Path, text_file: Path) -> None:
+    """MARK is in the first 10 paragraphs only, which lie in the first 5,000 tokens (val): the tokenizer learned no
+    piece of it; learned from everything, it does."""
+    learned = bpe.parse((prepared / bpe.TOKENIZER_FILE).read_text(), "t").ranks
+    assert not any(b"qzx" in token for token in learned)
+    everything = bpe.parse(bpe.train(text_file.read_text().split("\n\n"), 400), "t").ranks
+    assert any(b"qzx" in token for token in everything)
+
+
+def test_manifest_records_the_tokenizer_and_the_stream_decodes_to_the_text(prepared: Path, text_file: Path) -> None:
+    manifest = shards.read_manifest(prepared)
+    text = (prepared / bpe.TOKENIZER_FILE).read_text()
+    assert manifest["tokenizer"] == "bpe" and manifest["tokenizer_sha256"] == bpe.sha256_text(text)
+    assert manifest["vocab_size"] == 400 and manifest["eot_token"] == 399 and manifest["dtype"] == "uint16"
+    tok = shards.tokenizer(manifest, prepared)
+    ids = np.concatenate([np.asarray(a) for s in ("val", "train") for a in shards.open_split(prepared, manifest, s)])
+    assert manifest["tokens"]["val"] == 5000
+    docs = text_file.read_text().split("\n\n")
+    cuts = [*np.flatnonzero(ids == tok.eot_token).tolist(), ids.size]
+    assert [tok.decode(ids[a + 1 : b].tolist()) for a, b in zip(cuts[:-1], cuts[1:], strict=True)] == docs
+
+
+def test_bytes_are_counted_from_each_tokens_own_bytes(prepared: Path, text_file: Path) -> None:
+    """Some tokens hold part of a character (not UTF-8 alone) and some hold one and a half: decoding ids to a string
+    would count them wrong; the byte table counts them exactly."""
+    manifest = shards.read_manifest(prepared)
+    docs = text_file.read_text().split("\n\n")
+    assert sum(manifest["bytes"].values()) == sum(len(d.encode()) for d in docs)
+    made = bpe.parse((prepared / bpe.TOKENIZER_FILE).read_text(), "t")
+    partial = [t for t in made.ranks if not _is_utf8(t)]
+    assert len(partial) > 128  # the 128 bytes that begin or continue a character, and merges of them
+    tok = shards.tokenizer(manifest, prepared)
+    ids = tok.encode(docs[0])
+    assert any(not _is_utf8(made.encoding.decode_single_token_bytes(i)) for i in ids)
+    assert int(tok.token_bytes()[ids].sum()) == len(docs[0].encode())
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_pieces_cut_for_workers_give_the_tokens_of_the_whole(prepared: Path, shakespeare_path: Path) -> None:
+    """Punctuation keeps the newlines after it in this pattern, so a bpe text is cut before spaces only."""
+    tok = shards.tokenizer(shards.read_manifest(prepared), prepared)
+    text = shakespeare_path.read_text()[:20000] + "\nend.\n\nWhat?!\n  x  y\n\n\n-- (a)\n"
+    whole = tok.encode(text)
+    for max_chars in (7, 50, 333, 4096):
+        pieces = list(iter_pieces(text, max_chars, CUT_BEFORE["bpe"]))
+        assert "".join(pieces) == text and len(pieces) > 1
+        assert [i for p in pieces for i in tok.encode(p)] == whole, max_chars
+
+
+def test_output_is_the_same_with_workers_and_small_tasks(tmp_path: Path, prepared: Path, text_file: Path) -> None:
+    cfg = PrepareConfig(
+        dataset=str(text_file), out_dir=str(tmp_path / "w"), tokenizer="bpe", vocab_size=400, val_tokens=5000
+    )
+    cfg.num_proc, cfg.task_chars, cfg.shard_size = 2, 3000, 100_000_000
+    prepare(cfg)
+    assert _files(tmp_path / "w") == _files(prepared)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file published, the manifest without num_proc (which it records, and which changes no byte of output)."""
+    found = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and p.name != ".lock"}
+    manifest = json.loads(found.pop(shards.MANIFEST))
+    manifest["args"].pop("num_proc")
+    return found | {shards.MANIFEST: json.dumps(manifest).encode()}
+
+
+def test_a_killed_prepare_resumes_with_the_same_tokenizer(tmp_path: Path, text_file: Path, monkeypatch) -> None:
+    """Stopped after its first shard, the same command resumes with the tokenizer recorded, not a new one, and
+    writes what an uninterrupted prepare writes."""
+    from accel_gpt.data import pipeline
+
+    def cfg(name: str) -> PrepareConfig:
+        return PrepareConfig(
+            dataset=str(text_file), out_dir=str(tmp_path / name), tokenizer="bpe", vocab_size=300, shard_size=3000
+        )
+
+    prepare(cfg("whole"))
+    commit = pipeline.StreamWriter._commit
+
+    def crashing_commit(self, resume):
+        commit(self, resume)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline.StreamWriter, "_commit", crashing_commit)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg("killed"))
+    monkeypatch.undo()
+    trained = monkeypatch.setattr  # a second training would be a new tokenizer: make it impossible
+    trained("accel_gpt.data.prepare.train_tokenizer", lambda *a: pytest.fail("the tokenizer was learned again"))
+    prepare(cfg("killed"))
+    assert _files(tmp_path / "killed") == _files(tmp_path / "whole")
+
+
+def test_parts_share_one_tokenizer_file(tmp_path: Path, prepared: Path, text_file: Path) -> None:
+    """Two parts given the same --tokenizer_file merge into the stream of one prepare with it; the merged folder has
+    the tokenizer.json, and the parts are refused without one."""
+    given = str(prepared / bpe.TOKENIZER_FILE)
+    base = ["prepare", "--dataset", str(text_file), "--tokenizer", "bpe", "--tokenizer_file", given]
+    cli_main([*base, "--out_dir", str(tmp_path / "one")])
+    for i in (0, 1):
+        cli_main([*base, "--out_dir", str(tmp_path / "two"), "--num_shards", "2", "--shard_index", str(i)])
+    one, two = shards.read_manifest(tmp_path / "one"), shards.read_manifest(tmp_path / "two")
+    assert (tmp_path / "two" / bpe.TOKENIZER_FILE).read_text() == Path(given).read_text()
+    assert one["tokenizer_sha256"] == two["tokenizer_sha256"] == shards.read_manifest(prepared)["tokenizer_sha256"]
+    joined = [
+        np.concatenate([np.asarray(a) for a in shards.open_split(d, m, "train")])
+        for d, m in ((tmp_path / "one", one), (tmp_path / "two", two))
+    ]
+    assert np.array_equal(*joined)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tokenizer", "bpe", "--vocab_size", "256"], "vocab_size=256 must be in [257, 65536]"),
+        (["--vocab_size", "1000"], "--vocab_size is for --tokenizer bpe"),
+        (["--tokenizer", "char", "--tokenizer_file", "t.json"], "--tokenizer_file is for --tokenizer bpe"),
+        (["--tokenizer", "bpe", "--num_shards", "2", "--shard_index", "0"], "give its tokenizer.json to every part"),
+        (["--tokenizer", "bpe", "--tokenizer_file", "nope.json"], "cannot read the tokenizer file nope.json"),
+    ],
+)
+def test_bad_settings_are_one_line(args: list[str], message: str, tmp_path: Path, text_file: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["prepare", "--dataset", str(text_file), "--out_dir", str(tmp_path / "o"), *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_a_file_that_is_no_bpe_tokenizer_is_one_line(tmp_path: Path, text_file: Path, capsys) -> None:
+    for name, content in {"text": "not json", "wordpiece": json.dumps({"model": {"type": "WordPiece"}})}.items():
+        (bad := tmp_path / f"{name}.json").write_text(content)
+        with pytest.raises(SystemExit):
+            cli_main(
+                [
+                    "prepare",
+                    "--dataset",
+                    str(text_file),
+                    "--out_dir",
+                    str(tmp_path / name),
+                    "--tokenizer",
+                    "bpe",
+                    "--tokenizer_file",
+                    str(bad),
+                ]
+            )
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is not a byte-level BPE tokenizer that accel_gpt reads" in err[0], err
+        assert not (tmp_path / name).exists()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Path:
+    out = tmp_path_factory.mktemp("bpe_run") / "run"
+    run_cmd(
+        python_cmd(
+            "train",
+            "--config",
+            "tiny-cpu",
+            "--data_dir",
+            str(prepared),
+            "--out_dir",
+            str(out),
+            "--max_steps",
+            "6",
+            "--eval_every",
+            "3",
+            "--save_every",
+            "3",
+            "--sample_tokens",
+            "0",
+        )
+    )
+    return out
+
+
+def test_the_run_carries_its_tokenizer_and_pads_the_vocabulary(run_dir: Path, prepared: Path) -> None:
+    card = json.loads((run_dir / "model_config.json").read_text())
+    assert card["model"]["vocab_size"] == 512  # the data's 400 ids padded to a multiple of 128
+    assert card["tokenizer"] == {
+        "name": "bpe",
+        "sha256": shards.read_manifest(prepared)["tokenizer_sha256"],
+        "vocab_size": 400,
+    }
+    for folder in (run_dir, run_dir / "checkpoints" / "step_00000003", run_dir / "checkpoints" / "step_00000006"):
+        assert (folder / bpe.TOKENIZER_FILE).read_text() == (prepared / bpe.TOKENIZER_FILE).read_text(), folder
+
+
+def test_sample_and_eval_use_the_runs_tokenizer(run_dir: Path, prepared: Path) -> None:
+    out = run_cmd(python_cmd("sample", "--checkpoint", str(run_dir), "--prompt", "ROMEO:", "--max_new_tokens", "8"))
+    assert out.stdout.startswith("ROMEO:")
+    result = json.loads(run_cmd(python_cmd("eval", "--checkpoint", str(run_dir), "--data_dir", str(prepared))).stdout)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [m for m in metrics if "val_loss" in m][-1]
+    assert result["val_bpb"] == pytest.approx(last["val_bpb"], rel=1e-6)
+
+
+def test_a_resume_onto_another_tokenizers_data_is_one_line(tmp_path: Path, run_dir: Path, text_file: Path) -> None:
+    other = tmp_path / "other"
+    prepare(PrepareConfig(dataset=str(text_file), out_dir=str(other), tokenizer="bpe", vocab_size=300, val_tokens=5000))
+    proc = run_cmd(
+        python_cmd(
+            "train",
+            "--config",
+            "tiny-cpu",
+            "--data_dir",
+            str(other),
+            "--out_dir",
+            str(run_dir),
+            "--vocab_size",
+            "512",
+            "--max_steps",
+            "9",
+            "--resume",
+            "auto",
+        ),
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert re.fullmatch(
+        r"error: cannot resume from \S+: it was trained on other data \(tokenizer_sha256 .*\n",
+        proc.stderr.splitlines(keepends=True)[-1],
+    ), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("damage", ["changed", "missing"])
+def test_a_damaged_tokenizer_file_is_one_line(damage: str, tmp_path: Path, run_dir: Path, prepared: Path) -> None:
+    """Beside the shards (train says it) and in the run dir (sample says it)."""
+    import shutil
+
+    for folder, command in ((prepared, "train"), (run_dir, "sample")):
+        copy = tmp_path / f"{command}-copy"
+        shutil.copytree(folder, copy)
+        target = copy / bpe.TOKENIZER_FILE
+        target.unlink() if damage == "missing" else target.write_text(target.read_text().replace('"a"', '"b"', 1))
+        if command == "train":
+            argv = ["train", "--config", "tiny-cpu", "--data_dir", str(copy), "--out_dir", str(tmp_path / "r")]
+        else:
+            argv = ["sample", "--checkpoint", str(copy), "--prompt", "x", "--max_new_tokens", "2"]
+        proc = run_cmd(python_cmd(*argv), check=False)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 2 and last.startswith("error: ") and str(target) in last, proc.stderr[-2000:]
+        assert ("is missing" if damage == "missing" else "is not the tokenizer recorded beside it") in last
+
+
+def test_a_tokenizer_loaded_by_name_checks_its_file(prepared: Path) -> None:
+    tok = Tokenizer.bpe_file(prepared / bpe.TOKENIZER_FILE)
+    assert tok == shards.tokenizer(shards.read_manifest(prepared), prepared) and tok.vocab_size == 400
