@@ -163,30 +163,37 @@ def _to_bytes(token: str, alphabet: dict[str, int]) -> bytes:
     return bytes(alphabet[c] for c in token)
 
 
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+def fingerprint(made: BPE) -> str:
+    """The sha256 of what a tokenizer does (its split pattern, its tokens in id order, its end-of-text id), not of
+    its file: transformers writes the same tokenizer into an export with other formatting."""
+    tokens = [token.hex() for token, _ in sorted(made.ranks.items(), key=lambda kv: kv[1])]
+    return hashlib.sha256(json.dumps([made.pattern, made.eot, tokens]).encode()).hexdigest()
 
 
-def read(path: Path, sha256: str) -> str:
-    """The text of a `tokenizer.json` whose checksum must be `sha256` (what a manifest or model card recorded)."""
+def read(path: Path, sha256: str | None = None) -> tuple[str, BPE]:
+    """The text of a `tokenizer.json` and its tokenizer, whose fingerprint must be `sha256` where one is given (what
+    a manifest or model card recorded)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"{path} is missing: the tokenizer these tokens were made with") from None
+        if sha256 is None:
+            raise UserError(f"cannot read the tokenizer file {path}: no such file") from None
+        raise UserError(f"{path} is missing: the tokenizer the tokens were made with") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read the tokenizer {path}: {e}") from None
-    if sha256_text(text) != sha256:
+        raise UserError(f"cannot read the tokenizer file {path}: {e}") from None
+    made = parse(text, str(path))
+    if sha256 is not None and fingerprint(made) != sha256:
         raise UserError(
-            f"{path} is not the tokenizer recorded beside it (sha256 {sha256_text(text)[:12]}..., recorded "
+            f"{path} is not the tokenizer recorded beside it (sha256 {fingerprint(made)[:12]}..., recorded "
             f"{sha256[:12]}...): restore the file, or prepare the data again"
         )
-    return text
+    return text, made
 
 
 @lru_cache(maxsize=8)
 def load(path: str, sha256: str) -> BPE:
-    """The tokenizer at `path`, checked against its recorded checksum; once per process."""
-    return parse(read(Path(path), sha256), path)
+    """The tokenizer at `path`, checked against its recorded fingerprint; once per process."""
+    return read(Path(path), sha256)[1]
 
 
 @lru_cache(maxsize=8)

@@ -2,13 +2,15 @@
 for the gpt2 block, `NanoChatForCausalLM` for the nanochat block.
 
 The folder holds model.safetensors + config.json + generation_config.json and the tokenizer files
-(tokenizer.json, and GPT-2's original vocab.json + merges.txt for readers without `tokenizers`), so
+(tokenizer.json, and for GPT-2's its original vocab.json + merges.txt for readers without `tokenizers`; a trained
+bpe's is its own tokenizer.json, read by `PreTrainedTokenizerFast`), so
 `AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained` and `pipeline` load it offline, and a model
 card, README.md (see `modelcard`), so that it can be shared as it is.
 config.json also records the size of the run's val set (`hf.EVAL_RECORD`), so that `run.py eval` of the folder
 scores the windows `eval` of the run scores, and gives the same val_loss.
-Only the 50,257 real vocabulary rows are written. Everything is staged in a temporary sibling folder
-and renamed into place, so a failure leaves no half-written export and `out_dir` is never merged into.
+Only the tokenizer's real vocabulary rows are written (GPT-2's 50,257), not the padding. Everything is staged in a
+temporary sibling folder and renamed into place, so a failure leaves no half-written export and `out_dir` is never
+merged into.
 
 `--push_to_hub REPO_ID` then uploads the folder (`huggingface_hub`: create the repo, upload the folder). Offline
 mode and a missing token are refused before anything is exported; a failed upload leaves the export in place and
@@ -20,15 +22,17 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+from accel_gpt.bpe import EOT
 from accel_gpt.config import ExportConfig
 from accel_gpt.errors import UserError
 from accel_gpt.evaluate.val_loss import run_val_windows
 from accel_gpt.files import make_shareable, replacing, tensor_bytes, write_or_refuse
-from accel_gpt.hf import EVAL_RECORD, generation_config, to_transformers
+from accel_gpt.hf import EVAL_RECORD, set_end_of_text, to_transformers
 from accel_gpt.modelcard import CARD, model_card
 from accel_gpt.rundir import read_run_config, run_of
-from accel_gpt.tokenizer import GPT2_VOCAB, gpt2_vocab_and_merges
+from accel_gpt.tokenizer import Tokenizer, gpt2_vocab_and_merges
 from accel_gpt.weights import load_model
 
 # GPT-2's tokenizer files in an export (vocab.json and merges.txt, then tokenizer.json): about 4 MB
@@ -42,29 +46,26 @@ def export(
 
     The model card is headed `title` (default: the folder's name) and its examples load `load_as` (default:
     `out_dir` as given; the repo id when the folder goes to the Hub)."""
-    from transformers import GPT2Tokenizer
-
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out_dir {out} already exists and is not an empty folder; choose a new or empty one")
     check_writable(out)
     model, card = load_model(path)
-    if card.tokenizer.name != "gpt2":
+    tok = card.tokenizer
+    if tok.name == "char":
         raise UserError(
-            f"{path} was trained with the '{card.tokenizer.name}' tokenizer; export writes GPT-2 BPE tokenizer files "
-            "and supports only models trained on gpt2 tokens"
+            f"{path} was trained with the 'char' tokenizer, which transformers has no tokenizer class for; export "
+            "writes models trained on gpt2 or bpe tokens"
         )
-    if card.model.vocab_size < GPT2_VOCAB:
-        raise UserError(f"{path} has vocab_size={card.model.vocab_size}, fewer than GPT-2's {GPT2_VOCAB} tokens")
-    hf_model = to_transformers(model, vocab_size=GPT2_VOCAB)
-    hf_model.generation_config = generation_config()
+    if card.model.vocab_size < tok.vocab_size:
+        raise UserError(f"{path} has vocab_size={card.model.vocab_size}, fewer than its tokenizer's {tok.vocab_size}")
+    hf_model = to_transformers(model, vocab_size=tok.vocab_size)
+    set_end_of_text(hf_model, tok.eot_token)
     windows = val_windows_of_run(path)
     if windows is not None:
         setattr(hf_model.config, EVAL_RECORD, {"eval_windows": windows})
     readme = model_card(path, card, hf_model.num_parameters(), license, title or out.name, load_as or str(out_dir))
-    vocab, merges = gpt2_vocab_and_merges()
-    # byte-level BPE with <|endoftext|> as bos/eos/unk, as GPT-2's own tokenizer
-    tokenizer = GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=card.model.seq_len)
+    tokenizer, files = transformers_tokenizer(tok, card.model.seq_len)
 
     def write() -> None:  # on a failure the staging folder is already gone (see `replacing`)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -72,14 +73,32 @@ def export(
             stage.mkdir()
             hf_model.save_pretrained(stage)
             tokenizer.save_pretrained(stage)
-            (stage / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-            lines = ["#version: 0.2", *(f"{a} {b}" for a, b in merges)]
-            (stage / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+            for name, text in files.items():
+                (stage / name).write_text(text, encoding="utf-8")
             (stage / CARD).write_text(readme, encoding="utf-8")
             make_shareable(stage)
 
     write_or_refuse(f"the export to {out}", out, write, tensor_bytes(hf_model.state_dict().values()) + TOKENIZER_BYTES)
     return out
+
+
+def transformers_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[Any, dict[str, str]]:
+    """The transformers tokenizer that gives `tok`'s ids, with end-of-text as bos, eos and unk (as GPT-2's own), and
+    the files to write beside what its `save_pretrained` writes (GPT-2's vocab.json and merges.txt, for readers
+    without `tokenizers`)."""
+    if tok.name == "gpt2":
+        from transformers import GPT2Tokenizer
+
+        vocab, merges = gpt2_vocab_and_merges()
+        lines = ["#version: 0.2", *(f"{a} {b}" for a, b in merges)]
+        files = {"vocab.json": json.dumps(vocab, ensure_ascii=False), "merges.txt": "\n".join(lines) + "\n"}
+        return GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=seq_len), files
+    from tokenizers import Tokenizer as Backend
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Backend.from_str(tok.definition())
+    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=seq_len, **special), {}
 
 
 def val_windows_of_run(path: str | Path) -> int | None:
@@ -147,6 +166,8 @@ def run_export(cfg: ExportConfig) -> None:
     title = cfg.push_to_hub.split("/")[-1] if cfg.push_to_hub else None
     out = export(cfg.checkpoint, cfg.out_dir, cfg.license, title, cfg.push_to_hub or None)
     model_class = json.loads((out / "config.json").read_text())["architectures"][0]
-    print(f"exported {cfg.checkpoint} -> {out} ({model_class} + GPT-2 tokenizer, vocab {GPT2_VOCAB}, model card)")
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    what = "GPT-2 tokenizer" if (out / "merges.txt").is_file() else "its bpe tokenizer"
+    print(f"exported {cfg.checkpoint} -> {out} ({model_class} + {what}, vocab {vocab}, model card)")
     if cfg.push_to_hub:
         print(f"uploaded {out} -> {push(out, cfg.push_to_hub, cfg.private)}")

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from accel_gpt.bpe import TOKENIZER_FILE
 from accel_gpt.errors import UserError
 from accel_gpt.model import GPT, RMS_EPS, GPTConfig
-from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB
+from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB, Tokenizer
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, NanoChatConfig, NanoChatForCausalLM
@@ -97,14 +98,23 @@ def gpt2_config(cfg: GPTConfig, vocab_size: int | None = None) -> GPT2Config:
     )
 
 
-def generation_config() -> GenerationConfig:
-    """The defaults of `generate` and `pipeline` for an export: GPT-2's end-of-text as bos, eos and pad (GPT-2 has
-    no pad token). No `max_length`, as in OpenAI's GPT-2: transformers warns at every call that passes
-    `max_new_tokens` (the usual way) when the model's config sets one, so a call without a length takes
+def generation_config(eot: int = GPT2_EOT) -> GenerationConfig:
+    """The defaults of `generate` and `pipeline` for an export: the end-of-text (GPT-2's, or a trained bpe's) as bos,
+    eos and pad (GPT-2 has no pad token). No `max_length`, as in OpenAI's GPT-2: transformers warns at every call
+    that passes `max_new_tokens` (the usual way) when the model's config sets one, so a call without a length takes
     transformers' default (20 tokens, prompt included); the model card says how far the window goes."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(bos_token_id=GPT2_EOT, eos_token_id=GPT2_EOT, pad_token_id=GPT2_EOT)
+    return GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
+
+
+def set_end_of_text(hf_model: Any, eot: int) -> None:
+    """The tokenizer's end-of-text as the model config's bos and eos (and pad, where the config names one): the
+    configs above assume GPT-2's id, which a trained bpe does not have."""
+    hf_model.config.bos_token_id = hf_model.config.eos_token_id = eot
+    if getattr(hf_model.config, "pad_token_id", None) is not None:
+        hf_model.config.pad_token_id = eot
+    hf_model.generation_config = generation_config(eot)
 
 
 # An export's config.json keeps, under this key, what `run.py eval` needs to score it as it scores the run it came
@@ -202,7 +212,7 @@ def load_transformers(path_or_id: str, vocab_size: int | None = None, tokenizer_
     try:
         hf_config = AutoConfig.from_pretrained(path_or_id)
         _CONFIGS[_arch(hf_config)](hf_config)  # refuse other architectures and variants before reading weights
-        check_gpt2_tokenizer(path_or_id)
+        folder_tokenizer(path_or_id)
         if tokenizer_ids is not None and hf_config.vocab_size < tokenizer_ids:
             raise UserError(
                 f"'{path_or_id}' has {hf_config.vocab_size:,} token ids, fewer than the data's tokenizer's "
@@ -225,11 +235,21 @@ def load_transformers(path_or_id: str, vocab_size: int | None = None, tokenizer_
     return from_transformers(hf_model, vocab_size)
 
 
-def check_gpt2_tokenizer(path_or_id: str) -> None:
-    """accel_gpt reads a transformers folder's ids as GPT-2's: refuse one whose tokenizer files hold another
-    vocabulary (a NanoChat checkpoint's 32,768 or 65,536 tokens, a Llama-style tokenizer.json), which would give
-    meaningless text, a cropped export, or an index error on the first prompt id past its embedding. A folder without
-    tokenizer files is taken as GPT-2's (its ids are checked where they are used)."""
+def folder_tokenizer(path_or_id: str) -> Tokenizer:
+    """The tokenizer of a transformers folder: a byte-level BPE in accel_gpt's layout (an export of a `bpe` run) is
+    read as such; otherwise the folder's ids are read as GPT-2's, and one whose tokenizer files hold another
+    vocabulary (a NanoChat checkpoint's 32,768 or 65,536 tokens, a Llama-style tokenizer.json) is refused: read as
+    GPT-2's it would give meaningless text, a cropped export, or an index error on the first prompt id past its
+    embedding. A folder without tokenizer files is taken as GPT-2's (its ids are checked where they are used)."""
+    folder = Path(path_or_id)
+    if (folder / TOKENIZER_FILE).is_file():
+        with contextlib.suppress(UserError):
+            return Tokenizer.bpe_file(folder / TOKENIZER_FILE)
+    _check_gpt2_tokenizer(path_or_id)
+    return Tokenizer("gpt2")
+
+
+def _check_gpt2_tokenizer(path_or_id: str) -> None:
     folder = Path(path_or_id)
     try:
         if (folder / "tokenizer.json").is_file():
@@ -243,8 +263,9 @@ def check_gpt2_tokenizer(path_or_id: str) -> None:
         return  # unreadable tokenizer files: transformers' own load says what is wrong with the folder
     if ids != GPT2_VOCAB:
         raise UserError(
-            f"'{path_or_id}' has a tokenizer of {ids:,} tokens, not GPT-2's {GPT2_VOCAB:,}: accel_gpt reads "
-            "transformers folders with GPT-2's tokenizer only, and their ids in another would mean other text"
+            f"'{path_or_id}' has a tokenizer of {ids:,} tokens, not GPT-2's {GPT2_VOCAB:,} nor a byte-level BPE laid "
+            "out as accel_gpt's: accel_gpt reads transformers folders with those only, and their ids in another "
+            "would mean other text"
         )
 
 

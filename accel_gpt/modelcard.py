@@ -27,6 +27,7 @@ from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.evaluate.val_loss import run_val_windows
 from accel_gpt.metrics import METRICS, read_metrics
 from accel_gpt.rundir import ENV_REPORT, read_run_config, run_of
+from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.weights import ModelCard
 from accel_gpt.workarounds import check_pickles_are_safe
 
@@ -180,8 +181,7 @@ def model_card(weights: str | Path, card: ModelCard, n_params: int, license: str
         f"# {title}",
         f"{ARCHITECTURES[m.arch]}, {n_params / 1e6:.1f}M parameters) trained with accel_gpt: "
         f"{m.n_layer} layers, {m.n_head} attention heads{_kv_heads(m)}, a {m.n_embd}-wide residual stream and a "
-        f"{m.seq_len}-token context, with GPT-2's tokenizer (50,257 tokens; `<|endoftext|>`, id 50256, separates "
-        "documents).",
+        f"{m.seq_len}-token context, with {_tokenizer_words(card.tokenizer)}.",
     ]
     parts += _training_section(training, card) if training else _no_run_section(card)
     parts += _usage_section(m.seq_len, load_as)
@@ -357,3 +357,12 @@ def _usage_section(seq_len: int, load_as: str) -> list[str]:
         "`IndexError: index out of range in self`. (accel_gpt's own `run.py sample` slides the window instead: "
         f"each new token is predicted from the last {seq_len}, and it says so.)",
     ]
+
+
+def _tokenizer_words(tok: Tokenizer) -> str:
+    if tok.name == "bpe":
+        return (
+            f"a byte-level BPE tokenizer of {tok.vocab_size:,} tokens learned from its training text "
+            f"(`<|endoftext|>`, id {tok.eot_token}, separates documents)"
+        )
+    return "GPT-2's tokenizer (50,257 tokens; `<|endoftext|>`, id 50256, separates documents)"

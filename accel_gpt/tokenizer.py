@@ -1,11 +1,11 @@
 """The one description of a tokenizer: GPT-2's BPE (tiktoken), a byte-level BPE trained on the data (`bpe.py`), or
 a character vocabulary built from the data.
 
-A `Tokenizer` is a few strings (its name; for `char` the vocabulary; for `bpe` the checksum of its `tokenizer.json`
+A `Tokenizer` is a few strings (its name; for `char` the vocabulary; for `bpe` the fingerprint of its `tokenizer.json`
 and where that file is), so the same small object is written into the shard manifest and `model_config.json`, sent
-to the prepare workers, and used to encode prompts and decode samples. Two `bpe` tokenizers are equal when their
-files are (the checksum), wherever the files lie. The char tokenizer is the classic tiny-Shakespeare start: its
-vocabulary is every character of the data, in code-point order, and it has no end-of-text token.
+to the prepare workers, and used to encode prompts and decode samples. Two `bpe` tokenizers are equal when they
+tokenize alike (the fingerprint), wherever their files lie. The char tokenizer is the classic tiny-Shakespeare start:
+its vocabulary is every character of the data, in code-point order, and it has no end-of-text token.
 
 An export's vocab.json and merges.txt (transformers' GPT-2 tokenizer files) are derived from tiktoken's mergeable
 ranks, the same source that `prepare` tokenizes with, so a transformers tokenizer built from them gives its ids.
@@ -34,7 +34,7 @@ NAMES = ("gpt2", "char", "bpe")
 class Tokenizer:
     name: str  # gpt2 | char | bpe
     chars: str = ""  # char only: the vocabulary, id i is chars[i] (sorted by code point)
-    sha256: str = ""  # bpe only: the checksum of its tokenizer.json
+    sha256: str = ""  # bpe only: the fingerprint of its tokenizer.json (`bpe.fingerprint`)
     file: str = field(default="", compare=False)  # bpe only: where that tokenizer.json is
 
     def __post_init__(self) -> None:
@@ -45,14 +45,8 @@ class Tokenizer:
 
     @classmethod
     def bpe_file(cls, path: str | Path) -> Tokenizer:
-        """The bpe tokenizer of a `tokenizer.json` as it is now (its checksum taken from the file)."""
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read the tokenizer file {path}: {e}") from None
-        tok = cls("bpe", sha256=bpe.sha256_text(text), file=str(path))
-        bpe.parse(text, str(path))  # a file that is no tokenizer of ours: one line, now
-        return tok
+        """The bpe tokenizer of a `tokenizer.json` as it is now; a file that is no tokenizer of ours is one line."""
+        return cls("bpe", sha256=bpe.fingerprint(bpe.read(Path(path))[1]), file=str(path))
 
     @property
     def _bpe(self) -> bpe.BPE:
@@ -109,8 +103,8 @@ class Tokenizer:
         return _token_bytes(self)
 
     def load(self) -> Tokenizer:
-        """Read what encoding needs now (GPT-2's BPE files, or the bpe's tokenizer.json checked against its checksum),
-        so that a missing or changed file is said before work begins."""
+        """Read what encoding needs now (GPT-2's BPE files, or the bpe's tokenizer.json checked against its
+        fingerprint), so that a missing or changed file is said before work begins."""
         if self.name != "char":
             self._tiktoken()
         return self
@@ -127,12 +121,16 @@ class Tokenizer:
             return cls("bpe", sha256=d["sha256"], file=str(Path(folder) / bpe.TOKENIZER_FILE))
         return cls(d["name"], d.get("chars") or "")
 
+    def definition(self) -> str:
+        """A bpe's tokenizer.json text, checked against its fingerprint."""
+        return bpe.read(Path(self.file), self.sha256)[0]
+
     def copy_to(self, folder: Path) -> None:
         """A bpe's tokenizer.json into `folder` (written whole or not at all), unless it is there already."""
         target = Path(folder) / bpe.TOKENIZER_FILE
-        if self.name != "bpe" or (target.is_file() and bpe.sha256_text(target.read_text("utf-8")) == self.sha256):
+        if self.name != "bpe" or target.resolve() == Path(self.file).resolve():
             return
-        atomic_write(target, bpe.read(Path(self.file), self.sha256))
+        atomic_write(target, self.definition())
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:

@@ -227,8 +227,11 @@ def load_init_from(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
     tokenizer than the data's are refused: their token ids would mean other text."""
     source = Path(cfg.init_from)
     if not (source / MODEL_CONFIG).is_file() and not (source / CHECKPOINTS).is_dir():
-        from accel_gpt.hf import load_transformers
+        from accel_gpt.hf import folder_tokenizer, load_transformers
 
+        theirs = folder_tokenizer(cfg.init_from)
+        if "bpe" in (theirs.name, tokenizer.name) and theirs != tokenizer:
+            raise ConfigError(f"init_from {source}: {tokenizer_mismatch(theirs, tokenizer)} in {cfg.data_dir}")
         logger.info(f"init_from: the transformers weights of {cfg.init_from}")
         return load_transformers(cfg.init_from, vocab_size=cfg.vocab_size, tokenizer_ids=tokenizer.vocab_size)
     model, card = load_model(source)  # a run dir without final weights: its newest checkpoint

@@ -161,10 +161,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GP
     elif (p / CHECKPOINTS).is_dir():
         model, card = load_weights(newest_checkpoint(p))
     elif (p / "config.json").is_file() or (not p.exists() and _looks_like_hub_id(str(path))):
-        from accel_gpt.hf import load_transformers
+        from accel_gpt.hf import folder_tokenizer, load_transformers
 
         model = load_transformers(str(path))
-        card = ModelCard(model.config, Tokenizer("gpt2"))
+        card = ModelCard(model.config, folder_tokenizer(str(path)))
     elif not p.exists():
         raise UserError(
             f"'{path}' does not exist (a run dir, checkpoint dir, or transformers GPT-2 or NanoChat folder/hub id)"

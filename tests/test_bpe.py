@@ -67,7 +67,7 @@ def test_the_tokenizer_never_sees_the_held_out_text(prepared: Path, text_file: P
 def test_manifest_records_the_tokenizer_and_the_stream_decodes_to_the_text(prepared: Path, text_file: Path) -> None:
     manifest = shards.read_manifest(prepared)
     text = (prepared / bpe.TOKENIZER_FILE).read_text()
-    assert manifest["tokenizer"] == "bpe" and manifest["tokenizer_sha256"] == bpe.sha256_text(text)
+    assert manifest["tokenizer"] == "bpe" and manifest["tokenizer_sha256"] == bpe.fingerprint(bpe.parse(text, "t"))
     assert manifest["vocab_size"] == 400 and manifest["eot_token"] == 399 and manifest["dtype"] == "uint16"
     tok = shards.tokenizer(manifest, prepared)
     ids = np.concatenate([np.asarray(a) for s in ("val", "train") for a in shards.open_split(prepared, manifest, s)])
@@ -287,16 +287,28 @@ def test_a_resume_onto_another_tokenizers_data_is_one_line(tmp_path: Path, run_d
     ), proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("damage", ["changed", "missing"])
+DAMAGE = {
+    "missing": "is missing",
+    "another": "is not the tokenizer recorded beside it",
+    "garbled": "is not a byte-level BPE tokenizer that accel_gpt reads",
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_tokenizer_file_is_one_line(damage: str, tmp_path: Path, run_dir: Path, prepared: Path) -> None:
-    """Beside the shards (train says it) and in the run dir (sample says it)."""
+    """Beside the shards (train says it) and in the run dir (sample says it): gone, replaced by another tokenizer,
+    or edited into no tokenizer."""
     import shutil
 
+    another = bpe.train(["to be or not to be, that is the question"] * 20, 300)
     for folder, command in ((prepared, "train"), (run_dir, "sample")):
         copy = tmp_path / f"{command}-copy"
         shutil.copytree(folder, copy)
         target = copy / bpe.TOKENIZER_FILE
-        target.unlink() if damage == "missing" else target.write_text(target.read_text().replace('"a"', '"b"', 1))
+        if damage == "missing":
+            target.unlink()
+        else:
+            target.write_text(another if damage == "another" else target.read_text().replace('"a"', '"b"', 1))
         if command == "train":
             argv = ["train", "--config", "tiny-cpu", "--data_dir", str(copy), "--out_dir", str(tmp_path / "r")]
         else:
@@ -304,9 +316,93 @@ def test_a_damaged_tokenizer_file_is_one_line(damage: str, tmp_path: Path, run_d
         proc = run_cmd(python_cmd(*argv), check=False)
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 2 and last.startswith("error: ") and str(target) in last, proc.stderr[-2000:]
-        assert ("is missing" if damage == "missing" else "is not the tokenizer recorded beside it") in last
+        assert DAMAGE[damage] in last
 
 
 def test_a_tokenizer_loaded_by_name_checks_its_file(prepared: Path) -> None:
     tok = Tokenizer.bpe_file(prepared / bpe.TOKENIZER_FILE)
     assert tok == shards.tokenizer(shards.read_manifest(prepared), prepared) and tok.vocab_size == 400
+
+
+@pytest.fixture(scope="module", params=["gpt2", "nanochat"])
+def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, prepared: Path, run_dir: Path):
+    """An export of a bpe run of each block (the gpt2 one is `run_dir`), and the run it came from."""
+    run = run_dir
+    if request.param == "nanochat":
+        run = tmp_path_factory.mktemp("bpe_nanochat") / "run"
+        run_cmd(
+            python_cmd(
+                "train",
+                "--config",
+                "tiny-cpu",
+                "--arch",
+                "nanochat",
+                "--data_dir",
+                str(prepared),
+                "--out_dir",
+                str(run),
+                "--max_steps",
+                "4",
+                "--eval_every",
+                "4",
+                "--save_every",
+                "4",
+                "--sample_tokens",
+                "0",
+            )
+        )
+    out = tmp_path_factory.mktemp(f"bpe_export_{request.param}") / "hf"
+    line = run_cmd(python_cmd("export", "--checkpoint", str(run), "--out_dir", str(out))).stdout
+    assert "+ its bpe tokenizer, vocab 400, model card" in line
+    return out, run
+
+
+def test_the_export_tokenizes_as_accel_gpt_does(exported, prepared: Path, text_file: Path) -> None:
+    """AutoTokenizer from the export gives accel_gpt's ids on the whole text, held-out part included, and ends
+    documents with the same end-of-text."""
+    from transformers import AutoTokenizer
+
+    out, _ = exported
+    theirs = AutoTokenizer.from_pretrained(out)
+    ours = shards.tokenizer(shards.read_manifest(prepared), prepared)
+    text = text_file.read_text()
+    assert theirs(text)["input_ids"] == ours.encode(text)
+    assert theirs.eos_token_id == ours.eot_token == json.loads((out / "config.json").read_text())["eos_token_id"]
+
+
+def test_a_pipeline_continues_as_sample_does(exported) -> None:
+    """transformers' greedy continuation equals `run.py sample --top_k 1`, on the export and on the run."""
+    from transformers import pipeline
+
+    out, run = exported
+    generate = pipeline("text-generation", model=str(out))
+    theirs = generate("ROMEO: What", max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    for model in (run, out):
+        ours = run_cmd(
+            python_cmd(
+                "sample",
+                "--checkpoint",
+                str(model),
+                "--prompt",
+                "ROMEO: What",
+                "--max_new_tokens",
+                "12",
+                "--top_k",
+                "1",
+            )
+        ).stdout
+        assert ours.rstrip("\n") == theirs, model
+
+
+def test_the_export_is_read_back_with_its_tokenizer(exported, prepared: Path) -> None:
+    """Imported, the export is a bpe model again: eval scores it on the bpe shards as it scores its run."""
+    out, run = exported
+    from accel_gpt.weights import load_model
+
+    _, card = load_model(out)
+    assert card.tokenizer == shards.tokenizer(shards.read_manifest(prepared), prepared)
+    scores = [
+        json.loads(run_cmd(python_cmd("eval", "--checkpoint", str(m), "--data_dir", str(prepared))).stdout)["val_bpb"]
+        for m in (run, out)
+    ]
+    assert scores[0] == pytest.approx(scores[1], rel=1e-5)

@@ -310,8 +310,8 @@ def build_cases(root: Path, s: dict[str, Path], read_only: Path | None) -> dict[
         ),
         "sample_folder_with_its_own_tokenizer": Case(
             ["sample", "--checkpoint", str(own)],
-            f"'{own}' has a tokenizer of 65,536 tokens, not GPT-2's 50,257: accel_gpt reads transformers folders "
-            "with GPT-2's tokenizer only",
+            f"'{own}' has a tokenizer of 65,536 tokens, not GPT-2's 50,257 nor a byte-level BPE laid out as "
+            "accel_gpt's: accel_gpt reads transformers folders with those only",
         ),
         "sample_model_config_of_another_type": Case(
             ["sample", "--checkpoint", str(root / "mistyped_config" / "model")],

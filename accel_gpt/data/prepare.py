@@ -10,9 +10,9 @@ The choices a reader needs before the code:
   tinyshakespeare presets (nanoGPT encodes that file as one text). With `--tokenizer char` the default is
   `document`: char streams have no separator, and paragraphs glued together would lose their blank lines.
 - **A trained tokenizer** (`--tokenizer bpe --vocab_size N`, `train_bpe.py`): a byte-level BPE learned from the
-  train split only, before any shard is written, and stored as `tokenizer.json` beside the manifest (its sha256 in
-  `tokenizer_sha256`). The state records its checksum, so a resume encodes with the same one. `--tokenizer_file F`
-  takes an earlier prepare's instead: how the parts of a prepare on several machines share one.
+  train split only, before any shard is written, and stored as `tokenizer.json` beside the manifest (its fingerprint
+  in `tokenizer_sha256`). The state records the fingerprint, so a resume encodes with the same tokenizer.
+  `--tokenizer_file F` takes an earlier prepare's instead: how the parts of a prepare on several machines share one.
 - **EOT placement**: the end-of-text token 50256 *precedes every document*, so the stream is `EOT d0 EOT d1 ...`.
   A document then starts with EOT wherever it lands, the concatenation of any parts is again a valid stream, and
   splitting the tokens at 50256 and decoding gives back the documents exactly (`encode_ordinary` keeps a literal
@@ -455,7 +455,7 @@ def _recorded_tokenizer(job: Job, state: State) -> Tokenizer:
 
 def _tokenizer(job: Job, streams: list[Stream], state: State, workers: Workers) -> Tokenizer:
     """gpt2 needs nothing; char needs its vocabulary: one parallel pass over all the text (kept in the state); bpe
-    is learned from the train split, or read from --tokenizer_file (its checksum kept in the state)."""
+    is learned from the train split, or read from --tokenizer_file (its fingerprint kept in the state)."""
     if job.cfg.tokenizer == "gpt2":
         return Tokenizer("gpt2").load()  # BPE files missing offline: said before the progress bar starts
     if job.cfg.tokenizer == "bpe":
@@ -478,10 +478,11 @@ def _bpe_tokenizer(job: Job, streams: list[Stream], state: State) -> Tokenizer:
     target = job.data_dir / bpe.TOKENIZER_FILE
     if state.tokenizer_sha256 is None or not (target.is_file() or state.shards):
         if job.cfg.tokenizer_file:
-            text = bpe.read(Path(job.cfg.tokenizer_file), Tokenizer.bpe_file(job.cfg.tokenizer_file).sha256)
+            text, made = bpe.read(Path(job.cfg.tokenizer_file))
         else:
             text = train_tokenizer(job.cfg, streams[-1])  # the train stream: it comes after any val split
-        state.tokenizer_sha256 = bpe.sha256_text(text)
+            made = bpe.parse(text, "the trained tokenizer")
+        state.tokenizer_sha256 = bpe.fingerprint(made)
         state.save(job.data_dir)
         atomic_write(target, text)
     return _recorded_tokenizer(job, state)

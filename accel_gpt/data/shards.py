@@ -5,7 +5,7 @@ about it lives in the manifest:
 
     {"format": "accel_gpt-shards", "version": 1,
      "tokenizer": "gpt2" | "char" | "bpe", "chars": "<vocabulary, char tokenizer only>",
-     "tokenizer_sha256": "<bpe only: the checksum of tokenizer.json, which lies beside the manifest>",
+     "tokenizer_sha256": "<bpe only: the fingerprint of tokenizer.json, beside the manifest (`bpe.fingerprint`)>",
      "eot_token": 50256 | null, "vocab_size": 50257, "dtype": "uint16",
      "splits": {"train": [{"file": "train_000000.bin", "tokens": N, "sha256": "...", "bytes": B}, ...],
                 "val": [...]},
@@ -244,11 +244,11 @@ def _is_count(value: Any) -> bool:
 
 def tokenizer(manifest: dict[str, Any], data_dir: str | Path) -> Tokenizer:
     """The tokenizer the shards were written with (its vocabulary must agree with the manifest's); a bpe's
-    tokenizer.json is read from `data_dir` and checked against the manifest's checksum."""
+    tokenizer.json is read from `data_dir` and checked against the manifest's fingerprint."""
     if manifest["tokenizer"] == "bpe":
         sha256 = manifest.get("tokenizer_sha256")
         if not isinstance(sha256, str):
-            raise ValueError("a bpe manifest needs tokenizer_sha256 (the checksum of its tokenizer.json)")
+            raise ValueError("a bpe manifest needs tokenizer_sha256 (the fingerprint of its tokenizer.json)")
         tok = Tokenizer.from_dict({"name": "bpe", "sha256": sha256}, data_dir).load()
     else:
         tok = Tokenizer(manifest["tokenizer"], manifest.get("chars") or "")
