@@ -63,6 +63,7 @@ from accelerate.utils import DistributedType, gather_object
 from accelerate.utils.constants import RNG_STATE_NAME
 
 from accel_gpt.bpe import TOKENIZER_FILE
+from accel_gpt.budget import TimeBudget
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.data.shards import sha256_file
 from accel_gpt.errors import UserError
@@ -137,6 +138,7 @@ class TrainState:
     # Each start of the run that led to these weights: {"from_step", "processes", "config"}, so that a model card
     # tells every command that trained them ([] in checkpoints from before it was recorded).
     segments: list[dict[str, Any]] = field(default_factory=list)
+    budget: TimeBudget | None = None  # --time_budget: its spent step time rides in every checkpoint
 
     def advance(self, cfg: TrainConfig) -> None:
         """One optimizer step done: the position in the window stream follows from the global batch."""
@@ -155,6 +157,7 @@ class TrainState:
             "num_processes": self.num_processes,
             "segments_json": json.dumps(self.segments),
             **({"spike_json": json.dumps(self.spike.state_dict())} if self.spike is not None else {}),
+            **(self.budget.state() if self.budget is not None and self.budget.on else {}),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -166,6 +169,8 @@ class TrainState:
         self.data = json.loads(sd.get("data_json", "{}"))  # {} in checkpoints from before it was recorded
         self.num_processes = int(sd.get("num_processes", 0))
         self.segments = json.loads(sd.get("segments_json", "[]"))
+        if self.budget is not None:  # a budget continues with what is left (none spent: saved without one)
+            self.budget.resume(sd, self.step)
         if self.spike is not None and "spike_json" in sd:  # absent when saved with the guard off: it starts empty
             self.spike.load_state_dict(json.loads(sd["spike_json"]))
 

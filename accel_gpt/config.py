@@ -344,6 +344,11 @@ class TrainConfig(Config):
     max_steps: int = option(
         19_073, "optimizer steps to train (the default: 10B tokens at 524,288 per step)", bounds="[1, 1e12]"
     )
+    time_budget: str = option(
+        "",
+        "stop when the steps' own time reaches this: seconds (300) or 300s, 5m, 1.5h; the decay follows it, every "
+        "rank stops at the same step, and max_steps still caps (unset: train by steps)",
+    )
     learning_rate: float = option(6e-4, "peak learning rate, reached after warmup_steps", bounds="(0, 1e6]")
     min_lr_ratio: float = option(
         0.1, "the floor: the schedule reaches min_lr_ratio * learning_rate at its horizon", bounds="[0, 1]"
@@ -470,6 +475,7 @@ class TrainConfig(Config):
             raise ConfigError("data_dir is required: pass --data_dir DIR (a folder written by `run.py prepare`)")
         if self.vocab_size is None:
             self.vocab_size = padded_vocab(self.data_dirs[0])
+        self.budget_seconds()  # a duration, positive and finite
         if len(set(self.data_dirs)) != len(self.data_dirs):
             raise ConfigError(f"data_dir={self.data_dir!r} names a folder twice; weigh it with data_weights instead")
         self.source_weights()  # one positive weight per data_dir folder
@@ -581,6 +587,11 @@ class TrainConfig(Config):
         if not all(math.isfinite(w) and w > 0 for w in weights):
             raise ConfigError(f"data_weights={self.data_weights!r} must all be > 0 (leave a folder out instead of 0)")
         return [w / sum(weights) for w in weights]
+
+    def budget_seconds(self) -> float | None:
+        from accel_gpt.budget import parse_duration
+
+        return parse_duration(self.time_budget) if self.time_budget else None
 
     def model_settings(self) -> dict[str, Any]:
         """The model's shape as `GPTConfig` takes it: the settings the chosen block has (GPT-2 has no rotary base)."""

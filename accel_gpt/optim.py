@@ -11,6 +11,7 @@ runs with now, so a changed `schedule_steps` (a longer horizon for a run stopped
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -189,7 +190,7 @@ def schedule_horizon(cfg: TrainConfig) -> int:
     return cfg.schedule_steps or cfg.max_steps
 
 
-def lr_multiplier(step: int, cfg: TrainConfig) -> float:
+def lr_multiplier(step: int, cfg: TrainConfig, horizon: float | None = None) -> float:
     """The learning rate of the update of step `step` (0-based: optimizer steps already taken), over the peak.
 
     Linear warm-up over `warmup_steps` (the first update uses 1/warmup_steps), then by `lr_schedule`, over the
@@ -203,19 +204,21 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
       any checkpoint of the stable phase, which is what makes the horizon extendable;
     - constant: 1 after warm-up, whatever H (m is unused).
 
-    At and past H every decaying schedule stays at m. `progress` is (steps since the decay began) over (decay
-    length), so the first decayed update is at the peak and the value at H is m exactly, as the cosine always was.
+    `horizon`, where given (a time budget's expected last step, `budget.TimeBudget.horizon`), replaces H when it
+    comes first. At and past H every decaying schedule stays at m. `progress` is (steps since the decay began) over
+    (decay length), so the first decayed update is at the peak and the value at H is m exactly, as the cosine always
+    was.
     """
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return 1.0
-    horizon, floor = schedule_horizon(cfg), cfg.min_lr_ratio
+    horizon, floor = min(schedule_horizon(cfg), horizon or math.inf), cfg.min_lr_ratio
     if step >= horizon:
         return floor
     decay_start = cfg.warmup_steps
     if cfg.lr_schedule == "wsd":
-        decay_start = max(cfg.warmup_steps, horizon - wsd_decay_steps(cfg))
+        decay_start = max(cfg.warmup_steps, horizon - wsd_decay_steps(cfg, horizon))
         if step < decay_start:
             return 1.0
     progress = (step - decay_start) / max(1, horizon - decay_start)
@@ -224,9 +227,9 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
     return 1.0 - (1 - floor) * progress  # linear, and wsd's decay
 
 
-def wsd_decay_steps(cfg: TrainConfig) -> int:
+def wsd_decay_steps(cfg: TrainConfig, horizon: float | None = None) -> int:
     """Steps of wsd's decay: `decay_fraction` of the horizon, rounded half up (at least 1)."""
-    return max(1, math.floor(cfg.decay_fraction * schedule_horizon(cfg) + 0.5))
+    return max(1, math.floor(cfg.decay_fraction * (horizon or schedule_horizon(cfg)) + 0.5))
 
 
 def muon_momentum(step: int, cfg: TrainConfig) -> float:
@@ -248,9 +251,11 @@ class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
     expression as `get_lr`), so an unchanged resume stays bit-identical.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, cfg: TrainConfig, horizon: Callable[[], float | None] | None = None
+    ) -> None:
         self.cfg = cfg
-        super().__init__(optimizer, lambda step: lr_multiplier(step, cfg))
+        super().__init__(optimizer, lambda step: lr_multiplier(step, cfg, horizon() if horizon else None))
 
     def step(self, epoch: int | None = None) -> None:
         super().step(epoch)
@@ -260,6 +265,10 @@ class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
         base_lrs = self.base_lrs
         super().load_state_dict(state_dict)
         self.base_lrs = base_lrs
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The rates of the restored step from this run's config (and time budget, restored after the schedule)."""
         self._last_lr = [base * fn(self.last_epoch) for fn, base in zip(self.lr_lambdas, self.base_lrs, strict=True)]
         for group, base, lr in zip(self.optimizer.param_groups, self.base_lrs, self._last_lr, strict=True):
             group["initial_lr"], group["lr"] = base, lr
@@ -274,7 +283,10 @@ class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
                 group["momentum"] = muon_momentum(self.last_epoch, self.cfg)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> StepSchedule:
-    """The schedule over `lr_multiplier`. Build the Accelerator with `step_scheduler_with_optimizer=False`:
-    a prepared scheduler otherwise steps once per process per optimizer step (W times too fast)."""
-    return StepSchedule(optimizer, cfg)
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, horizon: Callable[[], float | None] | None = None
+) -> StepSchedule:
+    """The schedule over `lr_multiplier` (`horizon`: a time budget's). Build the Accelerator with
+    `step_scheduler_with_optimizer=False`: a prepared scheduler otherwise steps once per process per optimizer step
+    (W times too fast)."""
+    return StepSchedule(optimizer, cfg, horizon)

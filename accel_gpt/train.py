@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -31,6 +31,7 @@ from accelerate.utils import (
 )
 from torch.utils.data import DataLoader
 
+from accel_gpt.budget import TimeBudget
 from accel_gpt.checkpoint import (
     Checkpointer,
     TrainState,
@@ -75,18 +76,22 @@ def train(cfg: TrainConfig) -> None:
     check_shared_out_dir(cfg.out_dir, accelerator)  # every process must see the one folder that checkpoints go to
     run = build(cfg, accelerator)
     state = TrainState(config=cfg.to_dict(), data=run.data, spike=run.guard, num_processes=accelerator.num_processes)
+    state.budget = run.budget
     checkpointer = Checkpointer(cfg, accelerator, run.card, state, run.model, run.optimizer)
     checkpointer.resume(cfg.resume)
+    run.scheduler.scheduler.refresh()  # a resumed time budget (restored after the schedule) moves its horizon
     evaluator = Evaluator(cfg, accelerator, run.model, run.card, run.splits)
     with run_dir.start(accelerator), StopSignal(accelerator) as stop:  # the lock, held until the run ends
         checkpointer.retire_later_line()  # resumed by path: the old line's later checkpoints are moved aside
         log = MetricsLogger(cfg, accelerator, run.flops_per_token, state.step)
         batches = run.batches(state.data_position)  # the stream position follows from the step
         logger.info(describe(cfg, accelerator, run))
-        while state.step < cfg.max_steps:
+        while state.step < cfg.max_steps and not run.budget.done:
+            run.budget.begin_step()
             log.add(train_step(run, batches, accelerator, cfg))
             state.advance(cfg)
-            last, stopping = state.step == cfg.max_steps, stop.requested()
+            run.budget.end_step(state.step)
+            last, stopping = state.step == cfg.max_steps or run.budget.done, stop.requested()
             saving, evals = checkpointer.due(state.step, last, stopping), {}
             if log.due(state.step, last) or evaluator.due(state.step, last) or saving or stopping:
                 rows = log.collect(state.step)  # the one host sync; raises on a non-finite loss, before any save
@@ -99,8 +104,10 @@ def train(cfg: TrainConfig) -> None:
             if stopping:
                 logger.info(f"stop requested: stopped after step {state.step}; {stop_hint(cfg)}")
                 break
-        weights = save_final(cfg, accelerator, run, state) if state.step == cfg.max_steps else None
-        logger.info(f"{log.summary(state, cfg, weights)}; {run.memory.measured()}")
+        finished = state.step == cfg.max_steps or run.budget.done
+        weights = save_final(cfg, accelerator, run, state) if finished else None
+        budget = f"; {run.budget.summary()}" if run.budget.on else ""
+        logger.info(f"{log.summary(state, cfg, weights)}; {run.memory.measured()}{budget}")
         accelerator.end_training()
 
 
@@ -163,6 +170,7 @@ class Run:
     memory: MemoryBudget  # the estimate said at start-up, and the measured peak said at the end
     guard: SpikeGuard | None = None  # the loss-spike guard, when on
     capability: Capability | None = None  # the device's class: what it computes fast
+    budget: TimeBudget = field(default_factory=lambda: TimeBudget(None, torch.device("cpu"), 1))  # --time_budget
 
     def __post_init__(self) -> None:
         # The prepared model's parameters, listed once: walking the modules for them at every step's clip costs more
@@ -282,7 +290,8 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
     if newton_schulz is not None and newton_schulz.warning:
         logger.warning(newton_schulz.warning)
     optimizer = make_optimizer(model, cfg, accelerator.device.type, newton_schulz)
-    scheduler = make_scheduler(optimizer, cfg)
+    clock = TimeBudget(cfg.budget_seconds(), accelerator.device, accelerator.num_processes)
+    scheduler = make_scheduler(optimizer, cfg, clock.horizon)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
     if cfg.compile:
         model.compile(mode=cfg.compile_mode)  # in place: state_dict keys stay those of the uncompiled model
@@ -293,7 +302,7 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
         check_can_skip(optimizer, accelerator.scaler)
         guard = SpikeGuard(cfg, accelerator.device)
     parts = (model, optimizer, scheduler, train_dl, sampler, card, splits, flops_per_token, data, memory)
-    return Run(*parts, guard=guard, capability=capability)
+    return Run(*parts, guard=guard, capability=capability, budget=clock)
 
 
 def check_token_ids(data_dirs: list[str], manifests: list[dict[str, Any]], vocab_size: int) -> None:

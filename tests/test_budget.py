@@ -1,0 +1,170 @@
+"""`--time_budget`: the steps' own time, agreed by every rank, with the schedule following it and a resume that
+continues what is left. The 2-process runs read a clock the test sets (`tests/workers/budget_clock.py`): each step
+takes exactly 0.25 s on rank 0 and 0.5 s on rank 1, so the number of steps is exact and only agreeing on rank 0's
+clock keeps the ranks together."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import accelerate_cmd, run_cmd, write_token_shards
+
+import accel_gpt.budget as budget
+from accel_gpt.budget import TimeBudget, parse_duration
+from accel_gpt.config import TrainConfig
+from accel_gpt.errors import ConfigError, UserError
+from accel_gpt.optim import lr_multiplier
+
+WORKER = "tests/workers/budget_clock.py"
+VOCAB = 256
+FLAGS = [
+    *("--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--vocab_size", str(VOCAB)),
+    *("--micro_batch_size", "2", "--total_batch_size", "64", "--max_steps", "1000", "--warmup_steps", "2"),
+    *("--learning_rate", "1e-3", "--log_every", "1", "--eval_every", "0", "--sample_tokens", "0"),
+    *("--log_with", "none", "--time_budget", "2s"),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("300", 300.0), ("300s", 300.0), ("5m", 300.0), ("1.5h", 5400.0), (" 2M ", 120.0)]
+)
+def test_a_budget_is_seconds_or_a_unit(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("0", "must be a positive, finite duration"),
+        ("0m", "must be a positive, finite duration"),
+        ("nan", "is not a duration"),
+        ("inf", "is not a duration"),
+        ("-5", "is not a duration"),
+        ("5 minutes", "is not a duration"),
+        ("1e999", "must be a positive, finite duration"),
+    ],
+)
+def test_a_bad_budget_is_one_line(text: str, message: str, capsys) -> None:
+    from accel_gpt.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--data_dir", "d", "--time_budget", text])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: time_budget={text!r} {message}" + err[0].split(message, 1)[1]], err
+
+
+def ticking(monkeypatch: pytest.MonkeyPatch, step: float) -> None:
+    """Each reading of the budget's clock is `step` seconds after the last: a step takes exactly that long."""
+    ticks = itertools.count()
+    monkeypatch.setattr(budget, "clock", lambda: next(ticks) * step)
+
+
+def steps_until_done(clock: TimeBudget) -> int:
+    steps = 0
+    while not clock.done:
+        clock.begin_step()
+        steps += 1
+        clock.end_step(steps)
+    return steps
+
+
+def test_the_first_step_is_not_counted_and_a_resume_counts_what_is_left(monkeypatch) -> None:
+    import torch
+
+    ticking(monkeypatch, 0.25)
+    assert steps_until_done(TimeBudget(2.0, torch.device("cpu"), 1)) == 1 + 8
+    resumed = TimeBudget(2.0, torch.device("cpu"), 1)
+    resumed.resume({"budget_spent": 1.5, "budget_per_step": 0.25}, 7)
+    assert steps_until_done(resumed) == 1 + 2
+
+
+def test_the_horizon_is_where_the_budget_ends(monkeypatch) -> None:
+    """After k counted steps of 0.25 s of a 2 s budget, the schedule's horizon is the step the budget ends at."""
+    import torch
+
+    ticking(monkeypatch, 0.25)
+    clock = TimeBudget(2.0, torch.device("cpu"), 1)
+    assert clock.horizon() is None
+    for step in range(1, 9):
+        clock.begin_step()
+        clock.end_step(step)
+        assert clock.horizon() == (None if step == 1 else 9), step
+    cfg = TrainConfig(data_dir="d", max_steps=1000, warmup_steps=2, min_lr_ratio=0.1, vocab_size=VOCAB)
+    assert lr_multiplier(9, cfg, clock.horizon()) == pytest.approx(0.1)
+    assert lr_multiplier(5, cfg, 9.0) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 7)))
+
+
+def test_a_budget_shorter_than_one_step_is_one_line(monkeypatch) -> None:
+    import torch
+
+    ticking(monkeypatch, 0.25)
+    with pytest.raises(UserError, match=r"time_budget=0.1s is less than one step \(0.25s here\)"):
+        steps_until_done(TimeBudget(0.1, torch.device("cpu"), 1))
+
+
+def test_no_budget_changes_nothing() -> None:
+    import torch
+
+    clock = TimeBudget(None, torch.device("cpu"), 1)
+    clock.begin_step()
+    clock.end_step(1)
+    assert not clock.on and not clock.done and clock.horizon() is None and clock.summary() == ""
+    with pytest.raises(ConfigError):
+        TrainConfig(data_dir="d", time_budget="soon", vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]) -> Path:
+    tokens = [t % VOCAB for t in shakespeare_tokens[:20_000]]
+    return write_token_shards(tmp_path_factory.mktemp("budget") / "data", tokens, vocab_size=VOCAB)
+
+
+def budgeted(control: Path, data: Path, out: Path, die_at: int = 0, *extra: str, check: bool = True):
+    control.mkdir(exist_ok=True)
+    launch = accelerate_cmd(2, "x")[:-2]  # the launcher without "run.py x"
+    args = [WORKER, str(control), "0.25", str(die_at) if die_at else "--", *(["--"] if die_at else [])]
+    flags = ["train", *FLAGS, "--data_dir", str(data), "--out_dir", str(out), *extra]
+    return run_cmd([*launch, *args, *flags], check=check, timeout=240)
+
+
+def rates(control: Path) -> list[list[float]]:
+    return [json.loads((control / f"rank_{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_every_rank_follows_rank_0s_clock(tmp_path: Path, data: Path) -> None:
+    """Rank 1's clock runs twice as fast; both ranks take rank 0's 1 + 8 steps with the same rates, those of a run
+    of 9 steps by count (the decay follows the budget), and the run ends with its final weights and a line on the
+    time counted."""
+    proc = budgeted(tmp_path / "control", data, tmp_path / "run")
+    assert "| 2 process(es) on cpu" in proc.stderr
+    zero, one = rates(tmp_path / "control")
+    assert zero == one and len(zero) == 9
+    by_steps = TrainConfig(data_dir="d", max_steps=9, warmup_steps=2, vocab_size=VOCAB)
+    assert zero == pytest.approx([1e-3 * lr_multiplier(u, by_steps) for u in range(9)], rel=1e-9)
+    assert "time budget 2s: 2.0s of step time counted (8 steps this start)" in proc.stderr
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 9
+
+
+def test_a_resume_after_a_kill_continues_the_budget(tmp_path: Path, data: Path) -> None:
+    """Killed before step 6 (checkpoints every step: step 5's holds 1.0 s spent), the resume counts the 1.0 s
+    left: its own first step is not counted, so it ends at step 10, not 9, and not 5 + 9; its rates are those of a
+    10-step run from the first update on (the checkpoint holds the time per step)."""
+    control = tmp_path / "control"
+    killed = budgeted(control, data, tmp_path / "run", 6, "--save_every", "1", check=False)
+    assert killed.returncode != 0 and (control / "died_0").exists()
+    proc = budgeted(control, data, tmp_path / "run", 0, "--save_every", "1", "--resume", "auto")
+    zero, one = rates(control)
+    assert zero == one and len(zero) == 5  # steps 6..10
+    by_steps = TrainConfig(data_dir="d", max_steps=10, warmup_steps=2, vocab_size=VOCAB)
+    assert zero == pytest.approx([1e-3 * lr_multiplier(u, by_steps) for u in range(5, 10)], rel=1e-9)
+    assert "time budget 2s: 2.0s of step time counted (4 steps this start)" in proc.stderr
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 10 and sys.executable
