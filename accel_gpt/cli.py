@@ -15,6 +15,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, NoReturn
 
 from accel_gpt.config import (
+    CompareConfig,
     Config,
     EvalConfig,
     ExportConfig,
@@ -80,6 +81,14 @@ COMMANDS = {
         "nanochat, a NanoChatForCausalLM), and AutoTokenizer.from_pretrained "
         "load offline, with a model card (README.md) of how the model was trained; --push_to_hub REPO_ID then "
         "uploads it to the Hugging Face Hub (models trained with the char tokenizer cannot be exported).",
+    ),
+    "compare": Command(
+        CompareConfig,
+        "accel_gpt.compare:run_compare",
+        "runs side by side: val loss, bits per byte, steps, tokens, time, parameters and the settings that differ",
+        "Print one row per run directory: the last val loss and val bits per byte (comparable across tokenizers), "
+        "steps, tokens, the steps' own time, parameters, and every setting that is not the same in all of them. "
+        "--plot draws their curves into one figure; --log appends them to a tab-separated experiment log.",
     ),
     "plot": Command(
         PlotConfig,

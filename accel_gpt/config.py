@@ -783,6 +783,18 @@ class PlotConfig(Config):
             raise ConfigError("plot needs a run directory: give RUN_DIR ... (or run_dirs in the --config file)")
 
 
+@dataclass
+class CompareConfig(Config):
+    command: ClassVar[str] = "compare"
+    run_dirs: list[str] = option([], "run directories to set side by side", positional=True)
+    plot: str = option("", "also draw their curves into this file (.png, .pdf or .svg), as `plot` does")
+    log: str = option("", "append each run not yet listed to this tab-separated experiment log (made if missing)")
+
+    def validate(self) -> None:
+        if not self.run_dirs:
+            raise ConfigError("compare needs run directories: give RUN_DIR ... (or run_dirs in the --config file)")
+
+
 # The val set's size when nothing sets it: a GPT-2 124M run's former 20 batches of 8 windows.
 DEFAULT_EVAL_WINDOWS = 160
 
