@@ -2,9 +2,10 @@
 #   make quickstart   set up for training, then prepare the bundled tiny Shakespeare, train `tiny-cpu`, sample and
 #                     plot it
 #   make test         set up for development, then run the whole test suite (what CI runs)
-# Both first look for tiktoken's GPT-2 BPE files (the `tiktoken` target: accel_gpt/tiktoken_files.py, standard library
-# only, run by PYTHON before any environment exists), so that a machine without internet and without the files
-# learns it in seconds, before anything is installed, in one line that says what to do.
+# `make test` first looks for tiktoken's GPT-2 BPE files, which the tests use (the `tiktoken` target:
+# accel_gpt/tiktoken_files.py, standard library only, run by PYTHON before any environment exists), so that a machine
+# without internet and without the files learns it in seconds, before anything is installed, in one line that says
+# what to do. The quick start needs no GPT-2 files: its tokenizer is learned from the bundled text.
 # Setting up installs torch and accel_gpt (editable) into VENV: the active virtual environment, else .venv in this
 # folder (made when missing); with the plot extra (matplotlib) for `make quickstart`, and the dev extra too (pytest,
 # ruff, lm-evaluation-harness) for `make test` and `make lint`. TORCH is what `pip install` gets when VENV has no
@@ -33,7 +34,7 @@ setup: venv
 setup-dev: venv
 	$(BIN)/python -m pip install --quiet -e ".[dev,plot]"
 
-quickstart: tiktoken setup
+quickstart: setup
 	$(BIN)/python run.py prepare
 	$(BIN)/python run.py train --config tiny-cpu --resume auto $(TRAIN_ARGS)
 	$(BIN)/python run.py sample --checkpoint runs/tiny-cpu --prompt "ROMEO:" --max_new_tokens 60

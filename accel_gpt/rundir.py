@@ -37,6 +37,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list
 
+from accel_gpt.bpe import TOKENIZER_FILE
 from accel_gpt.config import TrainConfig, save_yaml, yaml_text
 from accel_gpt.errors import UserError
 from accel_gpt.files import LOCK, locked, remove
@@ -51,6 +52,7 @@ RUN_FILES = (
     "metrics.jsonl",
     "model.safetensors",
     "model_config.json",
+    TOKENIZER_FILE,  # a bpe run's tokenizer, beside its final weights
     ENV_REPORT,
     "checkpoints",
     "logs",

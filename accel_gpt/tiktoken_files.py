@@ -1,6 +1,7 @@
 """Are tiktoken's two GPT-2 BPE files at hand? `python3 -m accel_gpt.tiktoken_files` answers in seconds, before
-anything is installed: `make quickstart` and `make test` run it first, so a machine without internet and without the
-files learns it at once, not after minutes of installing, when `prepare` would fail.
+anything is installed: `make test` runs it first (the tests use GPT-2's tokens), so a machine without internet and
+without the files learns it at once, not after minutes of installing. `make quickstart` needs no GPT-2 files: its
+tokenizer is learned from the text.
 
 The files are looked for where tiktoken looks: TIKTOKEN_CACHE_DIR, else DATA_GYM_CACHE_DIR, else
 `<temp folder>/data-gym-cache`, each named by the SHA-1 of its URL and taken only if its SHA-256 is the one tiktoken

@@ -5,9 +5,10 @@ text.
     python bench/vocab_sweep.py --shape tiny-cpu --seconds 60
     python bench/vocab_sweep.py --shape char-recipe --seconds 180 --vocabs char,2048 -- --arch nanochat
 
-The text is the bundled tiny Shakespeare: its first 10% (cut at a blank line) is the held-out document and the rest
-the training document, the same two for every tokenizer (checked: the val split's bytes are the held-out text's).
-A BPE learns from the training document only (a prepare of it alone) and then prepares both with `--tokenizer_file`.
+The text is the bundled tiny Shakespeare: its first 10% (cut at a blank line; `--held_out last`: its last 10%, as
+nanoGPT holds it out) is the held-out document and the rest the training document, the same two for every
+tokenizer (checked: the val split's bytes are the held-out text's). A BPE learns from the training document only (a
+prepare of it alone) and then prepares both with `--tokenizer_file`.
 Each run trains by `--time_budget` (one thread; the steps' own time, so start-up and the first step are left out)
 with `max_steps` out of reach, so its schedule decays over the budget, and is then scored by `run.py eval` over the
 whole held-out split. The model's shape is the preset's (`--shape`), its vocabulary the data's (padded to 128);
@@ -35,9 +36,13 @@ SHAPES = {"tiny-cpu": "tiny-cpu", "char-recipe": "shakespeare-char-cpu"}
 TEXT = REPO / "accel_gpt" / "data" / "tinyshakespeare.txt"
 
 
-def split_text() -> tuple[str, str]:
-    """The held-out first ~10% (up to a blank line) and the rest."""
+def split_text(held_out: str) -> tuple[str, str]:
+    """The held-out text and the training text: `first`, the first ~10% (up to a blank line); `last`, the last 10%
+    exactly as nanoGPT's shakespeare_char cuts it (`data[int(n * 0.9):]`), whose loss its README reports."""
     text = TEXT.read_text(encoding="utf-8")
+    if held_out == "last":
+        cut = int(len(text) * 0.9)
+        return text[cut:], text[:cut]
     cut = text.index("\n\n", len(text) // 10) + 2
     return text[:cut], text[cut:]
 
@@ -89,14 +94,15 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, default="tiny-cpu")
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--vocabs", default="char,512,1024,2048,4096,8192,gpt2")
+    parser.add_argument("--held_out", choices=("first", "last"), default="first")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     print(header("bench/vocab_sweep.py"))
     print(f"shape {args.shape} ({SHAPES[args.shape]}), {args.seconds:g} s of steps each, one thread, flags {extra}")
-    work = RUNS / "vocab_sweep"
+    work = RUNS / f"vocab_sweep-{args.held_out}"
     work.mkdir(parents=True, exist_ok=True)
-    held_out, rest = split_text()
+    held_out, rest = split_text(args.held_out)
     print("| tokenizer | ids | parameters | steps | train CPU s | val bits per byte |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name in args.vocabs.split(","):

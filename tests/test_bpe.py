@@ -406,3 +406,19 @@ def test_the_export_is_read_back_with_its_tokenizer(exported, prepared: Path) ->
         for m in (run, out)
     ]
     assert scores[0] == pytest.approx(scores[1], rel=1e-5)
+
+
+def test_hellaswag_is_scored_in_the_runs_tokens(run_dir: Path) -> None:
+    """A bpe model is scored on HellaSwag in its own tokens: its rows' scored part is the ending in them."""
+    from conftest import HELLASWAG
+
+    from accel_gpt.evaluate.hellaswag import hellaswag_loader, load_hellaswag
+    from accel_gpt.weights import load_model
+
+    out = run_cmd(python_cmd("eval", "--checkpoint", str(run_dir), "--hellaswag", str(HELLASWAG), "--limit", "6"))
+    result = json.loads(out.stdout)
+    assert result["total"] == 6 and 0 <= result["acc_norm"] <= 1
+    _, card = load_model(run_dir)
+    rows = next(iter(hellaswag_loader(load_hellaswag(str(HELLASWAG), 1), 64, 1, card.tokenizer)))
+    ending = load_hellaswag(str(HELLASWAG), 1)[0].endings[0]
+    assert card.tokenizer.decode(rows["tokens"][0][rows["mask"][0]].tolist()) == " " + ending

@@ -625,7 +625,7 @@ def test_eval_settings_are_checked_before_anything_loads(args: list[str], messag
     assert capsys.readouterr().err.strip() == f"error: {message}"
 
 
-def test_hellaswag_needs_a_gpt2_model(
+def test_hellaswag_needs_a_model_of_gpt2_or_bpe_tokens(
     tmp_path: Path, seven_path: Path, one_rank: None, capsys: pytest.CaptureFixture
 ) -> None:
     with pytest.raises(UserError, match="HellaSwag needs a GPT-2 vocabulary \\(>= 50257 ids\\); this model has 50000"):
@@ -636,7 +636,7 @@ def test_hellaswag_needs_a_gpt2_model(
     with pytest.raises(SystemExit) as exc:
         main(["eval", "--checkpoint", str(checkpoint), "--hellaswag", str(seven_path)])
     assert exc.value.code == 2
-    assert "HellaSwag is scored with the gpt2 tokenizer" in capsys.readouterr().err
+    assert "HellaSwag is scored in the model's tokens, and a char model's vocabulary lacks" in capsys.readouterr().err
 
 
 def test_url_source_and_unreachable_url(tmp_path: Path) -> None:

@@ -311,10 +311,11 @@ def test_presets_and_flags_over_them() -> None:
     assert fineweb.val_tokens == 100_000_000 and fineweb.shard_size == 100_000_000 and fineweb.streaming
     assert fineweb.num_proc == 8 and fineweb.sample_by == "paragraph"
     tiny = cli_config(["--preset", "tinyshakespeare"])
-    assert tiny.dataset == "" and tiny.sample_by == "document" and tiny.val_tokens == 33_800  # the bundled text
-    assert tiny.tokenizer == "gpt2" and tiny.config == "tinyshakespeare"
+    assert tiny.dataset == "" and tiny.sample_by == "document" and tiny.val_tokens == 29_000  # the bundled text
+    assert (tiny.tokenizer, tiny.vocab_size, tiny.config) == ("bpe", 8192, "tinyshakespeare")
     tiny_char = cli_config(["--preset", "tinyshakespeare", "--tokenizer", "char"])
-    assert (tiny_char.tokenizer, tiny_char.val_tokens, tiny_char.sample_by) == ("char", 33_800, "document")
+    assert (tiny_char.tokenizer, tiny_char.val_tokens, tiny_char.sample_by) == ("char", 29_000, "document")
+    assert cli_config(["--preset", "tinyshakespeare", "--tokenizer", "gpt2"]).vocab_size is None
     char = cli_config(["--preset", "shakespeare-char"])
     assert (char.dataset, char.tokenizer, char.val_tokens, char.sample_by) == (
         tiny.dataset,
@@ -331,7 +332,7 @@ def test_prepare_given_no_text_prepares_the_bundled_tiny_shakespeare() -> None:
     """No --dataset and no preset: the tinyshakespeare preset, whose text (an unset --dataset) ships with accel_gpt;
     a --dataset, a preset or --merge of the user's is never mixed with it."""
     _, cfg = parse(["prepare"])
-    assert (cfg.config, cfg.dataset, cfg.out_dir, cfg.val_tokens) == ("tinyshakespeare", "", "data/shakespeare", 33_800)
+    assert (cfg.config, cfg.dataset, cfg.out_dir, cfg.val_tokens) == ("tinyshakespeare", "", "data/shakespeare", 29_000)
     assert parse(["prepare", "--val_tokens", "100"])[1].config == "tinyshakespeare"
     assert parse(["prepare", "--dataset", "corpus.txt"])[1].config == ""
     assert parse(["prepare", "--dataset=corpus.txt"])[1].config == ""
@@ -354,20 +355,21 @@ def test_the_char_preset_prepares_the_bundled_text_offline(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("preset", ["tinyshakespeare", "shakespeare-char"])
-def test_presets_on_the_local_file(preset: str, tmp_path: Path, shakespeare_path: Path, tok) -> None:
+def test_presets_on_the_local_file(preset: str, tmp_path: Path, shakespeare_path: Path) -> None:
     """--dataset replaces only the preset's text (the bundled file): one document, its first tokens are val."""
     text = shakespeare_path.read_text()
     out = tmp_path / "out"
     cfg = cli_config(["--preset", preset, "--dataset", str(shakespeare_path), "--out_dir", str(out)])
     summary = prepare(cfg)
     manifest = shards.read_manifest(out)
-    gpt2 = preset == "tinyshakespeare"
-    total = 1 + len(tok.encode(text)) if gpt2 else len(text)  # gpt2: one document, so one EOT
-    val = 33_800 if gpt2 else 111_540
+    learned = shards.tokenizer(manifest, out)
+    bpe = preset == "tinyshakespeare"
+    total = 1 + len(learned.encode(text)) if bpe else len(text)  # bpe: one document, so one EOT
+    val = 29_000 if bpe else 111_540
     assert manifest["tokens"] == {"train": total - val, "val": val} == summary.tokens
     assert manifest["documents"] == {"val": 1, "train": 0} and manifest["source"]["sample_by"] == "document"
-    assert manifest["tokenizer"] == ("gpt2" if gpt2 else "char") and manifest["args"]["preset"] == preset
-    assert shards.tokenizer(manifest, out).decode(stream(out).tolist()) == ("<|endoftext|>" if gpt2 else "") + text
+    assert manifest["tokenizer"] == ("bpe" if bpe else "char") and manifest["args"]["preset"] == preset
+    assert learned.decode(stream(out).tolist()) == ("<|endoftext|>" if bpe else "") + text
 
 
 def test_url_source_served_locally(tmp_path: Path, docs: list[str], tok, monkeypatch) -> None:

@@ -72,11 +72,7 @@ def run_eval(cfg: EvalConfig) -> None:
             print(scoring_line(len(examples), cfg.limit), file=sys.stderr)
     model, card = load_model(cfg.checkpoint, accelerator.device)
     if examples is not None:
-        if card.tokenizer.name != "gpt2":
-            raise UserError(
-                f"HellaSwag is scored with the gpt2 tokenizer; {cfg.checkpoint} uses '{card.tokenizer.name}'"
-            )
-        check_vocabulary(card.model.vocab_size)
+        check_vocabulary(card.model.vocab_size, card.tokenizer)
     windows, per_byte = val_data(cfg, card) if cfg.data_dir else (None, None)  # checked before anything is scored
     if windows is not None and accelerator.is_main_process:
         scoring = f"val_loss: scoring {len(windows)} windows of {card.model.seq_len} tokens ({windows_from})"
@@ -91,7 +87,9 @@ def run_eval(cfg: EvalConfig) -> None:
     result: dict[str, float | int] = {}
     predictions: list[Prediction] = []
     if examples is not None:
-        loader = accelerator.prepare_data_loader(hellaswag_loader(examples, card.model.seq_len, cfg.batch_size))
+        loader = accelerator.prepare_data_loader(
+            hellaswag_loader(examples, card.model.seq_len, cfg.batch_size, card.tokenizer)
+        )
         predictions = score_hellaswag(model, accelerator, loader, estimate=True)
         result |= hellaswag_metrics(predictions)
     if windows is not None:

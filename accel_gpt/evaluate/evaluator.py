@@ -107,10 +107,10 @@ class Evaluator:
             if cfg.sample_tokens:
                 encode_prompt(card.tokenizer, cfg.sample_prompt)
         if cfg.hellaswag_every:
-            check_vocabulary(card.model.vocab_size)
+            check_vocabulary(card.model.vocab_size, card.tokenizer)
             with accelerator.main_process_first():  # a hub download lands in the cache once
                 examples = load_hellaswag(cfg.hellaswag, cfg.hellaswag_limit or None)
-            loader = hellaswag_loader(examples, cfg.seq_len, cfg.micro_batch_size)
+            loader = hellaswag_loader(examples, cfg.seq_len, cfg.micro_batch_size, card.tokenizer)
             self.hellaswag_dl = accelerator.prepare_data_loader(loader)
 
     def due(self, step: int, last: bool) -> bool:

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from accel_gpt.errors import UserError
-from accel_gpt.tokenizer import GPT2_VOCAB, Tokenizer
+from accel_gpt.tokenizer import Tokenizer
 
 NUM_ENDINGS = 4
 HUB_ID = "Rowan/hellaswag"
@@ -243,16 +243,28 @@ def choose(total: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch
     return mean.view(-1, NUM_ENDINGS).argmin(1), total.view(-1, NUM_ENDINGS).argmin(1)
 
 
-def hellaswag_loader(examples: list[Example], seq_len: int, batch_size: int) -> DataLoader:
-    """Examples in order, `batch_size` per forward pass (4x as many rows), tokenized on access; prepare it once
-    with `accelerator.prepare_data_loader` so each rank scores only its share."""
-    dataset = HellaSwagTokens(examples, Tokenizer("gpt2"), seq_len)
+def hellaswag_loader(
+    examples: list[Example], seq_len: int, batch_size: int, tokenizer: Tokenizer | None = None
+) -> DataLoader:
+    """Examples in order, `batch_size` per forward pass (4x as many rows), tokenized on access in the model's tokens
+    (GPT-2's unless said); prepare it once with `accelerator.prepare_data_loader` so each rank scores only its
+    share."""
+    dataset = HellaSwagTokens(examples, tokenizer or Tokenizer("gpt2"), seq_len)
     return DataLoader(dataset, batch_size=batch_size, collate_fn=partial(collate, seq_len=seq_len))
 
 
-def check_vocabulary(vocab_size: int) -> None:
-    if vocab_size < GPT2_VOCAB:
-        raise UserError(f"HellaSwag needs a GPT-2 vocabulary (>= {GPT2_VOCAB} ids); this model has {vocab_size}")
+def check_vocabulary(vocab_size: int, tokenizer: Tokenizer | None = None) -> None:
+    """HellaSwag is scored in the model's own tokens: GPT-2's or a trained bpe's (a char vocabulary lacks most of its
+    text's characters), with an embedding row for each."""
+    tokenizer = tokenizer or Tokenizer("gpt2")
+    if tokenizer.name == "char":
+        raise UserError(
+            "HellaSwag is scored in the model's tokens, and a char model's vocabulary lacks characters of its text: "
+            "score a model trained on gpt2 or bpe tokens"
+        )
+    if vocab_size < tokenizer.vocab_size:
+        what = "a GPT-2 vocabulary" if tokenizer.name == "gpt2" else "its tokenizer's vocabulary"
+        raise UserError(f"HellaSwag needs {what} (>= {tokenizer.vocab_size} ids); this model has {vocab_size}")
 
 
 @torch.no_grad()
