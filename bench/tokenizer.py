@@ -8,8 +8,9 @@ writes shards with it against the GPT-2 (tiktoken) path on the same text.
 The corpus is varied text found on this machine, deterministic: the --text files (a .jsonl file gives its rows'
 string values, e.g. HellaSwag's contexts and endings), then the installed Python packages' own sources and documents
 (.py, .md, .rst, .txt under site-packages, in sorted order), concatenated as blank-line-separated paragraphs up to
---mb megabytes. Both sides are `python run.py prepare` processes on the same file with the same --num_proc, timed
-from the outside; the bpe side's learning time is what its own line reports, and its encoding time is the rest.
+--mb megabytes. Both sides are `python run.py prepare` processes on the same file with the same --num_proc, each
+with an empty datasets cache, timed from the outside; the bpe side's learning time is what its own line reports,
+and its encoding time is the rest.
 Throughput is in megabytes of text per second, since the two make different numbers of tokens of the same text.
 """
 
@@ -67,13 +68,15 @@ def make_corpus(out: Path, mb: float, extra: list[Path]) -> int:
 
 
 def prepare(corpus: Path, out: Path, num_proc: int, *flags: str) -> tuple[float, str]:
-    """Seconds of a `prepare` process and its stderr."""
+    """Seconds of a `prepare` process and its stderr; each with an empty datasets cache, so that every side pays for
+    reading the text into Arrow once."""
     shutil.rmtree(out, ignore_errors=True)
+    cache = out.with_name(out.name + "-datasets-cache")
+    shutil.rmtree(cache, ignore_errors=True)
     cmd = [sys.executable, "run.py", "prepare", "--dataset", str(corpus), "--out_dir", str(out), "--num_proc"]
+    env = child_env() | {"HF_DATASETS_CACHE": str(cache)}
     start = time.perf_counter()
-    proc = subprocess.run(
-        [*cmd, str(num_proc), *flags], cwd=REPO, env=child_env(), capture_output=True, text=True, check=False
-    )
+    proc = subprocess.run([*cmd, str(num_proc), *flags], cwd=REPO, env=env, capture_output=True, text=True, check=False)
     took = time.perf_counter() - start
     if proc.returncode:
         sys.exit(f"prepare failed:\n{proc.stderr[-3000:]}")
