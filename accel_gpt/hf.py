@@ -212,7 +212,7 @@ def load_transformers(path_or_id: str, vocab_size: int | None = None, tokenizer_
     try:
         hf_config = AutoConfig.from_pretrained(path_or_id)
         _CONFIGS[_arch(hf_config)](hf_config)  # refuse other architectures and variants before reading weights
-        folder_tokenizer(path_or_id, hf_config.vocab_size)
+        folder_tokenizer(path_or_id)
         if tokenizer_ids is not None and hf_config.vocab_size < tokenizer_ids:
             raise UserError(
                 f"'{path_or_id}' has {hf_config.vocab_size:,} token ids, fewer than the data's tokenizer's "
@@ -235,28 +235,17 @@ def load_transformers(path_or_id: str, vocab_size: int | None = None, tokenizer_
     return from_transformers(hf_model, vocab_size)
 
 
-GPT2_PAD_MAX = 1024  # rows a GPT-2 checkpoint may add to its 50,257 for fast matmuls (nanoGPT's 50,304: 47)
-
-
-def folder_tokenizer(path_or_id: str, vocab_size: int | None = None) -> Tokenizer:
+def folder_tokenizer(path_or_id: str) -> Tokenizer:
     """The tokenizer of a transformers folder: a byte-level BPE in accel_gpt's layout (an export of a `bpe` run) is
     read as such; otherwise the folder's ids are read as GPT-2's, and one whose tokenizer files hold another
     vocabulary (a NanoChat checkpoint's 32,768 or 65,536 tokens, a Llama-style tokenizer.json) is refused: read as
     GPT-2's it would give meaningless text, a cropped export, or an index error on the first prompt id past its
-    embedding. A local folder without tokenizer files is taken as GPT-2's where its `vocab_size` (the config's) is
-    GPT-2's, padded by at most GPT2_PAD_MAX rows (a hub id's files are checked by transformers' own load)."""
+    embedding. A folder without tokenizer files is taken as GPT-2's (its ids are checked where they are used)."""
     folder = Path(path_or_id)
     if (folder / TOKENIZER_FILE).is_file():
         with contextlib.suppress(UserError):
             return Tokenizer.bpe_file(folder / TOKENIZER_FILE)
     _check_gpt2_tokenizer(path_or_id)
-    has_files = any((folder / name).is_file() for name in (TOKENIZER_FILE, "vocab.json"))
-    if folder.is_dir() and not has_files and vocab_size is not None:
-        if not GPT2_VOCAB <= vocab_size <= GPT2_VOCAB + GPT2_PAD_MAX:
-            raise UserError(
-                f"'{path_or_id}' has no tokenizer files and {vocab_size:,} token ids, not GPT-2's {GPT2_VOCAB:,}: "
-                "what its ids stand for is unknown; put the tokenizer it was trained with beside it (tokenizer.json)"
-            )
     return Tokenizer("gpt2")
 
 
