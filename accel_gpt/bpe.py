@@ -29,7 +29,6 @@ EOT = "<|endoftext|>"
 SPLIT_PATTERN = (
     r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
 )
-MIN_VOCAB = 257  # the 256 bytes and end-of-text
 
 
 @dataclass(frozen=True, eq=False)  # one per tokenizer.json (`load` caches them): hashed by identity

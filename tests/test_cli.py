@@ -28,7 +28,7 @@ from accel_gpt.cli import build_parser, main, parse
 from accel_gpt.config import coerce, preset_names, presets_dir
 from tests.conftest import python_cmd, run_cmd
 
-COMMANDS = ("prepare", "train", "eval", "sample", "export", "plot")
+COMMANDS = ("prepare", "train", "eval", "sample", "export", "compare", "plot")
 PRESETS = [(name, preset) for name in COMMANDS for preset in preset_names(CLI_COMMANDS[name].config)]
 # Any of these in sys.modules after `--help` means the help path pays for a heavy import.
 HEAVY = ("torch", "accelerate", "transformers", "datasets", "tiktoken", "numpy", "matplotlib", "safetensors", "pyarrow")
@@ -174,7 +174,7 @@ def test_preset_defaults_named_examples(capsys: pytest.CaptureFixture) -> None:
     assert shown_default(help_entries(help_text(capsys, "train", "--config", "tiny-cpu"))["--n_layer"]) == 2
     assert shown_default(help_entries(help_text(capsys, "prepare"))["--val_tokens"]) == 0
     tiny = help_entries(help_text(capsys, "prepare", "--preset", "tinyshakespeare"))
-    assert shown_default(tiny["--val_tokens"]) == 33_800
+    assert shown_default(tiny["--val_tokens"]) == 29_000 and shown_default(tiny["--tokenizer"]) == "bpe"
     assert (
         shown_default(help_entries(help_text(capsys, "prepare", "--preset=shakespeare-char"))["--tokenizer"]) == "char"
     )

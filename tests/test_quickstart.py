@@ -211,16 +211,18 @@ def test_quickstart_runs_end_to_end(quickstart: QuickStart) -> None:
     work, outputs = quickstart
     assert [shlex.split(c)[2] for c in quickstart_commands()] == ["prepare", "train", "sample", "plot"]
     manifest = json.loads((work / "data" / "shakespeare" / "manifest.json").read_text())
-    assert manifest["tokenizer"] == "gpt2" and manifest["tokens"] == {"train": 304_226, "val": 33_800}
+    assert manifest["tokenizer"] == "bpe" and manifest["vocab_size"] == 8192
+    assert manifest["tokens"] == {"train": 255_405, "val": 29_000}  # the README's counts
     assert manifest["source"]["dataset"].endswith("tinyshakespeare.txt")  # the bundled text: no --dataset given
 
     run = work / "runs" / "tiny-cpu"
-    for name in ("config.yaml", "metrics.jsonl", "accelerate_env.txt", "model.safetensors", "model_config.json"):
+    files = ("config.yaml", "metrics.jsonl", "accelerate_env.txt", "model.safetensors", "model_config.json")
+    for name in (*files, "tokenizer.json"):
         assert (run / name).is_file(), name
     assert (run / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert abs(rows[0]["loss"] - math.log(50304)) < 0.5  # an untrained model guesses about uniformly
+    assert abs(rows[0]["loss"] - math.log(8192)) < 0.5  # an untrained model guesses about uniformly
     assert "val_loss" in rows[-1]  # evaluation fires on the last step
     assert "finished at step 3/3" in outputs["train"] and "run dir runs/tiny-cpu" in outputs["train"]
 

@@ -13,7 +13,8 @@ The choices a reader needs before the code:
   train split only, before any shard is written, and stored as `tokenizer.json` beside the manifest (its fingerprint
   in `tokenizer_sha256`). The state records the fingerprint, so a resume encodes with the same tokenizer.
   `--tokenizer_file F` takes an earlier prepare's instead: how the parts of a prepare on several machines share one.
-- **EOT placement**: the end-of-text token 50256 *precedes every document*, so the stream is `EOT d0 EOT d1 ...`.
+- **EOT placement**: the end-of-text token (GPT-2's 50256, a bpe's last id) *precedes every document*, so the stream
+  is `EOT d0 EOT d1 ...`.
   A document then starts with EOT wherever it lands, the concatenation of any parts is again a valid stream, and
   splitting the tokens at 50256 and decoding gives back the documents exactly (`encode_ordinary` keeps a literal
   "<|endoftext|>" in the text as plain tokens, never 50256).
