@@ -177,20 +177,19 @@ def _resident() -> int | None:
 
 
 def _file_pages() -> int | None:
-    """The process's resident file-backed pages (RssFile), in bytes."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssFile:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    """The process's resident file-backed pages, in bytes."""
+    return _proc_kilobytes("/proc/self/status", "RssFile:")
 
 
 def _meminfo_available() -> int | None:
+    return _proc_kilobytes("/proc/meminfo", "MemAvailable:")
+
+
+def _proc_kilobytes(path: str, key: str) -> int | None:
+    """The `key: N kB` line of a /proc file, in bytes; None where there is none."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None

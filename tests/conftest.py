@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,16 @@ def table(body: str) -> dict[str, str]:
     """The training table's rows: name -> value."""
     rows = [line.strip("|").split("|") for line in body.splitlines() if line.startswith("| ") and "---" not in line]
     return {name.strip(): value.strip() for name, value in rows if name.strip()}
+
+
+@pytest.fixture(scope="session")
+def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A datasets cache of the tests' own: the Arrow caches of their tiny files never touch the user's. Session-wide,
+    so that module fixtures which prepare data use it too."""
+    import datasets
+
+    cache = tmp_path_factory.getbasetemp() / "hf_datasets_cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+        patch.setenv("HF_DATASETS_CACHE", str(cache))
+        yield cache

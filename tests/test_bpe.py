@@ -22,14 +22,7 @@ from accel_gpt.tokenizer import Tokenizer
 MARK = "qzxqzx"  # a word only the held-out paragraphs have
 
 
-@pytest.fixture(autouse=True)
-def hf_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    import datasets
-
-    cache = tmp_path_factory.getbasetemp() / "hf_datasets_cache"
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
-    return cache
+pytestmark = pytest.mark.usefixtures("hf_cache")  # a datasets cache of the tests' own (conftest)
 
 
 def paragraphs(shakespeare_path: Path) -> list[str]:
@@ -42,7 +35,7 @@ def paragraphs(shakespeare_path: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory, shakespeare_path: Path) -> Path:
+def text_file(tmp_path_factory: pytest.TempPathFactory, shakespeare_path: Path, hf_cache: Path) -> Path:
     path = tmp_path_factory.mktemp("bpe") / "docs.txt"
     path.write_text("\n\n".join(paragraphs(shakespeare_path)))
     return path

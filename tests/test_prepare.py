@@ -38,15 +38,7 @@ from accel_gpt.tokenizer import GPT2_EOT, Tokenizer
 EOT = GPT2_EOT
 
 
-@pytest.fixture(autouse=True)
-def hf_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A datasets cache of our own: the Arrow caches of these tiny files never touch the user's."""
-    import datasets
-
-    cache = tmp_path_factory.getbasetemp() / "hf_datasets_cache"
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
-    return cache
+pytestmark = pytest.mark.usefixtures("hf_cache")  # a datasets cache of the tests' own (conftest)
 
 
 @pytest.fixture(scope="module")
