@@ -86,11 +86,11 @@ class TimeBudget:
         self.counted += 1
         before = self.spent
         self.spent = self._agreed(before + took)
-        step = self.spent - before  # rank 0's: every rank decides alike
-        if self.counted == 1 and not self.resumed_spent and step > self.seconds:
+        rank0_took = self.spent - before  # every rank decides alike
+        if self.counted == 1 and not self.resumed_spent and rank0_took > self.seconds:
             raise UserError(
-                f"time_budget={self.seconds:g}s is less than one step ({step:.3g}s here): give a longer budget, or "
-                "train by steps with --max_steps"
+                f"time_budget={self.seconds:g}s is less than one step ({rank0_took:.3g}s here): give a longer budget, "
+                "or train by steps with --max_steps"
             )
 
     def horizon(self) -> float | None:
