@@ -415,3 +415,12 @@ def test_hellaswag_is_scored_in_the_runs_tokens(run_dir: Path) -> None:
     rows = next(iter(hellaswag_loader(load_hellaswag(str(HELLASWAG), 1), 64, 1, card.tokenizer)))
     ending = load_hellaswag(str(HELLASWAG), 1)[0].endings[0]
     assert card.tokenizer.decode(rows["tokens"][0][rows["mask"][0]].tolist()) == " " + ending
+
+
+def test_a_corpus_larger_than_the_cap_is_cut_and_said(tmp_path: Path, text_file: Path, capsys) -> None:
+    """`--tokenizer_chars` caps the text the tokenizer learns from, and its line says so."""
+    cli_main(["prepare", "--dataset", str(text_file), "--out_dir", str(tmp_path / "d"), "--tokenizer", "bpe",
+              "--vocab_size", "300", "--tokenizer_chars", "5000"])  # fmt: skip
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenizer: a byte-level BPE"))
+    assert "learned from 5,000 characters of the train split" in line
+    assert "(capped at --tokenizer_chars 5,000)" in line

@@ -8,11 +8,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import accelerate_cmd, run_cmd, write_token_shards
+from conftest import accelerate_cmd, python_cmd, run_cmd, write_token_shards
 
 import accel_gpt.budget as budget
 from accel_gpt.budget import TimeBudget, parse_duration
@@ -167,4 +166,12 @@ def test_a_resume_after_a_kill_continues_the_budget(tmp_path: Path, data: Path) 
     assert zero == pytest.approx([1e-3 * lr_multiplier(u, by_steps) for u in range(5, 10)], rel=1e-9)
     assert "time budget 2s: 2.0s of step time counted (4 steps this start)" in proc.stderr
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert steps[-1] == 10 and sys.executable
+    assert steps[-1] == 10
+
+
+def test_max_steps_still_caps_a_budget(tmp_path: Path, data: Path) -> None:
+    """An hour's budget and 3 steps: the run ends at step 3 with its final weights, and says what it counted."""
+    flags = [*FLAGS, "--time_budget", "1h", "--max_steps", "3", "--data_dir", str(data), "--out_dir", str(tmp_path)]
+    proc = run_cmd(python_cmd("train", *flags))
+    assert "finished at step 3/3" in proc.stderr and "time budget 3600s: " in proc.stderr
+    assert (tmp_path / "model.safetensors").is_file()
