@@ -4,6 +4,7 @@ that cannot fit is refused in one line before it allocates, and a real run's mea
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,26 @@ def test_the_parameters_counted_from_the_config_are_the_models(settings: dict) -
     model = GPT(GPTConfig(**cfg.model_settings()))
     matrices = sum(p.numel() for p in model.transformer.h.parameters() if p.dim() == 2)
     assert parameter_counts(cfg) == (sum(p.numel() for p in model.parameters()), matrices)
+
+
+@pytest.mark.slow
+def test_a_large_parent_is_not_the_runs_peak(tmp_path: Path, shakespeare_shards: Path) -> None:
+    """Started by a process of 1.5 GB (a test runner, a notebook), a run still reports its own peak: Linux carries the
+    parent's peak into a child's `ru_maxrss`, which read 1.3 GB for this 0.64 GB run beside the test suite."""
+    flags = ["--config", "tiny-cpu", "--max_steps", "3", "--micro_batch_size", "8", "--eval_every", "0"]
+    flags += ["--save_every", "0", "--sample_tokens", "0", "--log_with", "none"]
+    flags += ["--data_dir", str(shakespeare_shards), "--out_dir", str(tmp_path / "r")]
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        "big = bytearray(1536 << 20)\n"
+        "big[::4096] = b'x' * len(big[::4096])  # resident\n"
+        "proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "sys.stderr.write(proc.stderr)\n"
+        "sys.exit(proc.returncode)\n"
+    )
+    proc = run_cmd([sys.executable, str(script), *python_cmd("train", *flags)])
+    peak, estimated = (
+        megabytes(size) for size in re.search(r"peak memory (.+?) \(estimated (.+?)\)", proc.stderr).groups()
+    )
+    assert peak < 1.5 * estimated < 1536, (peak, estimated)
