@@ -81,16 +81,14 @@ def to_json(bpe: BPE) -> str:
     """The `tokenizer.json` (transformers' fast tokenizer file) of `bpe`: its merges derived from the ranks."""
     from tokenizers import Tokenizer, decoders, models
 
-    from accel_gpt.tokenizer import _bytes_to_unicode, _merge_parts
-
-    table = _bytes_to_unicode()
+    table = bytes_to_unicode()
 
     def text(b: bytes) -> str:
         return "".join(table[x] for x in b)
 
     ordered = sorted(bpe.ranks.items(), key=lambda kv: kv[1])
     vocab = {text(token): rank for token, rank in ordered}
-    merges = [tuple(text(p) for p in _merge_parts(token, bpe.ranks)) for token, _ in ordered if len(token) > 1]
+    merges = [tuple(text(p) for p in merge_parts(token, bpe.ranks)) for token, _ in ordered if len(token) > 1]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = _pre_tokenizer(bpe.pattern)
     tok.decoder = decoders.ByteLevel()
@@ -153,9 +151,7 @@ def _split_pattern(pre: Any) -> str | None:
 
 
 def _byte_alphabet() -> dict[str, int]:
-    from accel_gpt.tokenizer import _bytes_to_unicode
-
-    return {c: b for b, c in _bytes_to_unicode().items()}
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _to_bytes(token: str, alphabet: dict[str, int]) -> bytes:
@@ -202,3 +198,36 @@ def _encoding(bpe: BPE) -> Any:
     return tiktoken.Encoding(
         f"accel_gpt-bpe-{bpe.vocab_size}", pat_str=bpe.pattern, mergeable_ranks=bpe.ranks, special_tokens={EOT: bpe.eot}
     )
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet its vocab.json and merges.txt are written in.
+
+    Bytes that are printable Latin-1 (other than space and the soft hyphen) stand for themselves; the
+    remaining 68 take the characters 256, 257, ... in byte order, so no token string holds whitespace or
+    control characters.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    others = [b for b in range(256) if b not in table]
+    table.update({b: chr(256 + i) for i, b in enumerate(others)})
+    return table
+
+
+def merge_parts(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The two pieces BPE joins to make `token`: byte-pair encode it with the ranks below its own.
+
+    tiktoken merges the adjacent pair whose concatenation has the lowest rank, and every rank above 255
+    is one merge in order, so stopping just before `token`'s own rank leaves exactly its two halves.
+    """
+    limit = ranks[token]
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        pairs = [(ranks.get(parts[i] + parts[i + 1], limit), i) for i in range(len(parts) - 1)]
+        rank, i = min(pairs)
+        if rank >= limit:
+            break
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    if len(parts) != 2:
+        raise RuntimeError(f"tiktoken rank {limit} ({token!r}) is not one merge of two lower-ranked tokens")
+    return parts[0], parts[1]

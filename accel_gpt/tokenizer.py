@@ -184,39 +184,6 @@ def _tiktoken_gpt2() -> Any:
         ) from None
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, the alphabet its vocab.json and merges.txt are written in.
-
-    Bytes that are printable Latin-1 (other than space and the soft hyphen) stand for themselves; the
-    remaining 68 take the characters 256, 257, ... in byte order, so no token string holds whitespace or
-    control characters.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    others = [b for b in range(256) if b not in table]
-    table.update({b: chr(256 + i) for i, b in enumerate(others)})
-    return table
-
-
-def _merge_parts(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
-    """The two pieces BPE joins to make `token`: byte-pair encode it with the ranks below its own.
-
-    tiktoken merges the adjacent pair whose concatenation has the lowest rank, and every rank above 255
-    is one merge in order, so stopping just before `token`'s own rank leaves exactly its two halves.
-    """
-    limit = ranks[token]
-    parts = [bytes([b]) for b in token]
-    while len(parts) > 2:
-        pairs = [(ranks.get(parts[i] + parts[i + 1], limit), i) for i in range(len(parts) - 1)]
-        rank, i = min(pairs)
-        if rank >= limit:
-            break
-        parts[i : i + 2] = [parts[i] + parts[i + 1]]
-    if len(parts) != 2:
-        raise RuntimeError(f"tiktoken rank {limit} ({token!r}) is not one merge of two lower-ranked tokens")
-    return parts[0], parts[1]
-
-
 def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """vocab.json and merges.txt content of GPT-2's tokenizer, rebuilt from tiktoken's `gpt2` ranks.
 
@@ -227,7 +194,7 @@ def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
 
     enc = tiktoken.get_encoding("gpt2")
     ranks: dict[bytes, int] = enc._mergeable_ranks  # the public API has no accessor for the raw ranks
-    table = _bytes_to_unicode()
+    table = bpe.bytes_to_unicode()
 
     def text(b: bytes) -> str:
         return "".join(table[x] for x in b)
@@ -235,7 +202,7 @@ def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     vocab = {text(token): rank for token, rank in ranks.items()}
     vocab.update(enc._special_tokens)
     merges = [
-        tuple(text(p) for p in _merge_parts(token, ranks))
+        tuple(text(p) for p in bpe.merge_parts(token, ranks))
         for token, _ in sorted(ranks.items(), key=lambda kv: kv[1])
         if len(token) > 1
     ]
