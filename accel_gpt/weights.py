@@ -71,7 +71,8 @@ def read_model_config(folder: Path) -> ModelCard:
         card = ModelCard(model, tokenizer, meta.get("step"), meta.get("history"), meta.get("picked"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"{path} is not a readable accel_gpt model config ({type(e).__name__}: {e})") from None
-    tokenizer.load()  # a bpe's tokenizer.json missing or changed: one line now
+    if tokenizer.name == "bpe":  # its tokenizer.json missing or changed: one line now (GPT-2's files load on use)
+        tokenizer.load()
     return card
 
 

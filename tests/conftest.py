@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -190,3 +191,33 @@ def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         patch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
         patch.setenv("HF_DATASETS_CACHE", str(cache))
         yield cache
+
+
+class ShardCommitted(Exception):
+    """Raised right after a prepare commits its first shard: a kill at that point."""
+
+
+def prepare_stopped_after_first_shard(cfg: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run `prepare(cfg)` until its first shard is committed and stop it there, state saved, as a kill would."""
+    from accel_gpt.data import pipeline
+    from accel_gpt.data.prepare import prepare
+
+    commit = pipeline.StreamWriter._commit
+
+    def crashing_commit(self: Any, resume: Any) -> None:
+        commit(self, resume)
+        raise ShardCommitted
+
+    monkeypatch.setattr(pipeline.StreamWriter, "_commit", crashing_commit)
+    with pytest.raises(ShardCommitted):
+        prepare(cfg)
+    monkeypatch.undo()
+
+
+def is_utf8(data: bytes) -> bool:
+    """Whether `data` decodes as UTF-8 alone (a token holding part of a character does not)."""
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True

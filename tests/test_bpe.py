@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import python_cmd, run_cmd
+from conftest import is_utf8, prepare_stopped_after_first_shard, python_cmd, run_cmd
 
 from accel_gpt import bpe
 from accel_gpt.cli import main as cli_main
@@ -77,20 +77,12 @@ def test_bytes_are_counted_from_each_tokens_own_bytes(prepared: Path, text_file:
     docs = text_file.read_text().split("\n\n")
     assert sum(manifest["bytes"].values()) == sum(len(d.encode()) for d in docs)
     made = bpe.parse((prepared / bpe.TOKENIZER_FILE).read_text(), "t")
-    partial = [t for t in made.ranks if not _is_utf8(t)]
+    partial = [t for t in made.ranks if not is_utf8(t)]
     assert len(partial) > 128  # the 128 bytes that begin or continue a character, and merges of them
     tok = shards.tokenizer(manifest, prepared)
     ids = tok.encode(docs[0])
-    assert any(not _is_utf8(made.encoding.decode_single_token_bytes(i)) for i in ids)
+    assert any(not is_utf8(made.encoding.decode_single_token_bytes(i)) for i in ids)
     assert int(tok.token_bytes()[ids].sum()) == len(docs[0].encode())
-
-
-def _is_utf8(data: bytes) -> bool:
-    try:
-        data.decode()
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def test_pieces_cut_for_workers_give_the_tokens_of_the_whole(prepared: Path, shakespeare_path: Path) -> None:
@@ -124,7 +116,6 @@ def _files(folder: Path) -> dict[str, bytes]:
 def test_a_killed_prepare_resumes_with_the_same_tokenizer(tmp_path: Path, text_file: Path, monkeypatch) -> None:
     """Stopped after its first shard, the same command resumes with the tokenizer recorded, not a new one, and
     writes what an uninterrupted prepare writes."""
-    from accel_gpt.data import pipeline
 
     def cfg(name: str) -> PrepareConfig:
         return PrepareConfig(
@@ -132,18 +123,9 @@ def test_a_killed_prepare_resumes_with_the_same_tokenizer(tmp_path: Path, text_f
         )
 
     prepare(cfg("whole"))
-    commit = pipeline.StreamWriter._commit
-
-    def crashing_commit(self, resume):
-        commit(self, resume)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(pipeline.StreamWriter, "_commit", crashing_commit)
-    with pytest.raises(KeyboardInterrupt):
-        prepare(cfg("killed"))
-    monkeypatch.undo()
-    trained = monkeypatch.setattr  # a second training would be a new tokenizer: make it impossible
-    trained("accel_gpt.data.prepare.train_tokenizer", lambda *a: pytest.fail("the tokenizer was learned again"))
+    prepare_stopped_after_first_shard(cfg("killed"), monkeypatch)
+    learn_again = lambda *a: pytest.fail("the tokenizer was learned again")  # noqa: E731 - it would be a new one
+    monkeypatch.setattr("accel_gpt.data.prepare.train_tokenizer", learn_again)
     prepare(cfg("killed"))
     assert _files(tmp_path / "killed") == _files(tmp_path / "whole")
 

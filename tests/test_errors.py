@@ -38,6 +38,8 @@ TINY = GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=32, vocab_size=50304)
 CHARS = "".join(map(chr, range(32, 97)))  # 65 characters
 NO_NETWORK = {"HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
 
+TINY_MODEL = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--seq_len", "32"]  # the shape of the trains here
+
 
 @dataclass
 class Case:
@@ -362,14 +364,7 @@ def build_cases(root: Path, s: dict[str, Path], read_only: Path | None) -> dict[
                 str(shutil.copytree(s["gpt2_data"], root / "other_tokenizer" / "data")),  # its verify cache is written
                 "--out_dir",
                 str(root / "other_tokenizer" / "run"),
-                "--n_layer",
-                "1",
-                "--n_head",
-                "2",
-                "--n_embd",
-                "16",
-                "--seq_len",
-                "32",
+                *TINY_MODEL,
                 "--max_steps",
                 "1",
                 "--log_with",
@@ -571,14 +566,7 @@ FULL_DISK_WRITERS = {
             str(s["gpt2_data"]),
             "--out_dir",
             str(disk / "run"),
-            "--n_layer",
-            "1",
-            "--n_head",
-            "2",
-            "--n_embd",
-            "16",
-            "--seq_len",
-            "32",
+            *TINY_MODEL,
             "--micro_batch_size",
             "1",
             "--total_batch_size",

@@ -20,7 +20,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, SHAKESPEARE, python_cmd, run_cmd, strip_byte_counts, subprocess_env, write_token_shards
+from conftest import (
+    REPO,
+    SHAKESPEARE,
+    is_utf8,
+    prepare_stopped_after_first_shard,
+    python_cmd,
+    run_cmd,
+    strip_byte_counts,
+    subprocess_env,
+    write_token_shards,
+)
 
 from accel_gpt.cli import main as cli_main
 from accel_gpt.cli import parse
@@ -702,9 +712,9 @@ def test_byte_counts_are_the_utf8_bytes_of_the_text(tokenizer: str, tmp_path: Pa
         enc = tiktoken.get_encoding("gpt2")
         ids = enc.encode_ordinary(text)
         # a token whose bytes are part of a character: the cut after it splits that character between val and train
-        k = next(k for k in range(2000, len(ids)) if not _is_utf8(enc.decode_single_token_bytes(ids[k])))
+        k = next(k for k in range(2000, len(ids)) if not is_utf8(enc.decode_single_token_bytes(ids[k])))
         val_tokens, val_bytes = k + 2, len(enc.decode_bytes(ids[: k + 1]))  # + EOT before the document
-        assert data[:val_bytes] == enc.decode_bytes(ids[: k + 1]) and not _is_utf8(data[:val_bytes])
+        assert data[:val_bytes] == enc.decode_bytes(ids[: k + 1]) and not is_utf8(data[:val_bytes])
     else:
         val_tokens = text.index("🙂", 5000) + 1
         val_bytes = len(text[:val_tokens].encode())
@@ -715,14 +725,6 @@ def test_byte_counts_are_the_utf8_bytes_of_the_text(tokenizer: str, tmp_path: Pa
     assert len(manifest["splits"]["val"]) >= 2 and len(manifest["splits"]["train"]) >= 2
     _byte_counts_add_up(manifest)
     assert shards.tokens_per_byte(manifest, "val") == val_tokens / val_bytes
-
-
-def _is_utf8(data: bytes) -> bool:
-    try:
-        data.decode()
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def test_byte_counts_skip_the_separators_and_sum_over_documents(tmp_path: Path, docs: list[str]) -> None:
@@ -830,19 +832,8 @@ def test_changed_input_is_not_already_prepared(tmp_path: Path, docs: list[str], 
 
 def interrupted_prepare(tmp_path: Path, docs: list[str], monkeypatch: pytest.MonkeyPatch) -> Path:
     """A prepare of docs.txt into tmp_path/out that stops right after its first committed shard; returns docs.txt."""
-    from accel_gpt.data import pipeline
-
     src = write_txt(tmp_path / "docs.txt", docs)
-    commit = pipeline.StreamWriter._commit
-
-    def crashing_commit(self, resume):
-        commit(self, resume)
-        raise Interrupt
-
-    monkeypatch.setattr(pipeline.StreamWriter, "_commit", crashing_commit)
-    with pytest.raises(Interrupt):
-        prepare(opts(tmp_path, src, shard_size=1000))
-    monkeypatch.undo()
+    prepare_stopped_after_first_shard(opts(tmp_path, src, shard_size=1000), monkeypatch)
     return src
 
 
