@@ -77,8 +77,8 @@ COMMANDS = {
         ExportConfig,
         "accel_gpt.export:run_export",
         "write a transformers model folder (weights, tokenizer, model card); --push_to_hub uploads it",
-        "Write a folder that transformers' from_pretrained loads offline as a GPT2LMHeadModel (or, for --arch "
-        "nanochat, a NanoChatForCausalLM), and AutoTokenizer.from_pretrained "
+        "Write a folder that transformers' from_pretrained loads offline as a GPT2LMHeadModel (or, for a "
+        "nanochat-block model, a NanoChatForCausalLM), and AutoTokenizer.from_pretrained "
         "load offline, with a model card (README.md) of how the model was trained; --push_to_hub REPO_ID then "
         "uploads it to the Hugging Face Hub (models trained with the char tokenizer cannot be exported).",
     ),
