@@ -140,8 +140,15 @@ def preset_values(cls: type[Config], name_or_path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of {cls.command} settings, got {type(data).__name__}")
     data.pop("config", None)  # a saved config.yaml records where it came from; that is not a layer to follow
+    if is_run_config(path):
+        data.pop("resume", None)  # how that run started, not its recipe: taken back, it starts a new run
     check_keys(cls, data, str(path))
     return data
+
+
+def is_run_config(path: Path) -> bool:
+    """Whether `path` is the config.yaml a run wrote into its run directory."""
+    return path.name == "config.yaml" and any((path.parent / f).exists() for f in ("metrics.jsonl", "checkpoints"))
 
 
 class _DuplicateKey(Exception):

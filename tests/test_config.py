@@ -220,6 +220,21 @@ def test_saved_config_loads_back_the_same(tmp_path: Path) -> None:
     assert {**again.to_dict(), "config": "tiny-cpu"} == cfg.to_dict()
 
 
+@pytest.mark.parametrize("resume", ["auto", "runs/old/checkpoints/step_00000700"])
+def test_a_runs_config_taken_back_starts_a_new_run(tmp_path: Path, resume: str) -> None:
+    """A run's config.yaml gives back its recipe, not how it started: taken back for a new folder, a rolled-back
+    run's config would start from the old run's checkpoint, a resumed one's would continue the old run. A recipe
+    file of the user's own keeps its `resume` (a requeued job's `resume: auto`)."""
+    run, recipe = tmp_path / "run", tmp_path / "recipe"
+    run.mkdir(), recipe.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    for folder in (run, recipe):
+        save_yaml(TrainConfig.load("tiny-cpu", {"resume": resume, "learning_rate": 1e-4}), folder / "config.yaml")
+    again = TrainConfig.load(str(run / "config.yaml"), {"out_dir": str(tmp_path / "new")})
+    assert again.resume == "none" and again.learning_rate == 1e-4
+    assert TrainConfig.load(str(recipe / "config.yaml")).resume == resume
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_field_has_a_one_line_help(name: str) -> None:
     hints = typing.get_type_hints(CONFIGS[name])
