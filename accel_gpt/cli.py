@@ -42,7 +42,7 @@ COMMANDS = {
     "prepare": Command(
         PrepareConfig,
         "accel_gpt.data.prepare:run_prepare",
-        "tokenize a dataset into GPT-2 token shards + manifest.json",
+        "tokenize a dataset into token shards (GPT-2's, a BPE learned from it, or characters) + manifest.json",
         "Tokenize text (a Hugging Face hub id, local txt/json/jsonl/parquet/csv files or folders, a save_to_disk "
         "folder, or an http(s) URL: hub ids and URLs need internet) into fixed-size token shards that `train` reads. "
         "With no --dataset and no --preset, it prepares the tiny Shakespeare that ships with accel_gpt as the "
