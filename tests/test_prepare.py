@@ -670,8 +670,8 @@ def test_a_document_cut_by_val_tokens_is_reported_in_both_splits(tmp_path: Path,
     line = capsys.readouterr().out.strip().splitlines()[-1]
     train = shards.read_manifest(out)["tokens"]["train"]
     assert line.startswith(
-        f"prepared: 1 documents, {train + 99:,} tokens (train {train:,} tokens / 1 documents (the first of them "
-        "begun in the val split) / 1 shards, val 99 tokens / 1 documents / 1 shards)"
+        f"prepared: 1 document, {train + 99:,} tokens (train {train:,} tokens / 1 document (begun in the val "
+        "split) / 1 shard, val 99 tokens / 1 document / 1 shard)"
     ), line
 
 

@@ -150,34 +150,40 @@ class Summary:
     def of(cls, status: str, data_dir: Path, manifest: dict[str, Any], seconds: float) -> Summary:
         tokens = {s: sum(e["tokens"] for e in entries) for s, entries in manifest["splits"].items()}
         counts = {s: len(entries) for s, entries in manifest["splits"].items()}
-        documents = dict(manifest.get("documents", {}))
+        documents = dict(manifest.get("documents", {})) if manifest["tokenizer"] != "char" else {}  # none marked
         nulls = int(manifest.get("skipped_null") or 0)
         return cls(status, data_dir, documents, tokens, counts, seconds, nulls, continued_splits(data_dir, manifest))
 
     def _documents(self, split: str) -> str:
+        if not self.documents:
+            return ""
         n = self.documents.get(split, 0)
         if split not in self.continued:
-            return f"{n:,} documents"
+            return f" / {_count(n, 'document')}"
         # --val_tokens sends the stream's first tokens to val, so a split that starts inside a document is train,
         # continuing val's last one
-        return f"{n + 1:,} documents (the first of them begun in the val split)"
+        return f" / {_count(n + 1, 'document')} ({'the first ' if n else ''}begun in the val split)"
 
     def line(self) -> str:
         """`documents` counts each document once, in the split it begins in (where its end-of-text token is); a
         split that begins inside a document (`--val_tokens` cut it) shows that document too, marked so."""
         per_split = ", ".join(
-            f"{split} {self.tokens.get(split, 0):,} tokens / {self._documents(split)} / "
-            f"{self.shards.get(split, 0)} shards"
+            f"{split} {self.tokens.get(split, 0):,} tokens{self._documents(split)} / "
+            f"{_count(self.shards.get(split, 0), 'shard')}"
             for split in sorted(self.tokens, key=lambda s: s != "train")
         )
         total = sum(self.tokens.values())
         tokenized = self.status in ("prepared", "resumed and prepared")
         rate = f", {tokens_per_second(total, self.seconds)}" if tokenized else ""
         skipped = f" (skipped {self.skipped_null:,} rows with no text)" if self.skipped_null else ""
+        documents = f"{_count(sum(self.documents.values()), 'document')}{skipped}, " if self.documents else ""
         return (
-            f"{self.status}: {sum(self.documents.values()):,} documents{skipped}, {total:,} tokens ({per_split}) "
-            f"in {self.seconds:.1f}s{rate} -> {self.out_dir}"
+            f"{self.status}: {documents}{total:,} tokens ({per_split}) in {self.seconds:.1f}s{rate} -> {self.out_dir}"
         )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def continued_splits(data_dir: Path, manifest: dict[str, Any]) -> frozenset[str]:
