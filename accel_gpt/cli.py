@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import typing
 from dataclasses import MISSING, dataclass, fields
@@ -102,9 +103,17 @@ COMMANDS = {
 CONFIG_FLAGS = {"prepare": ("--config", "--preset")}  # prepare's presets were named with --preset first
 
 
+ONE_PROCESS = ("sample", "export", "compare", "plot")  # they build no Accelerator and share no work
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
-        name, cfg = parse(sys.argv[1:] if argv is None else argv)
+        name, cfg = parse(sys.argv[1:] if argv is None else argv)  # on every rank: bad input is said once, all exit 2
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if name in ONE_PROCESS and launched > 1:  # under `accelerate launch` of several: rank 0 alone runs it
+            if not is_main_rank():
+                return
+            print(f"note: {name} runs in one process; the launch's other {launched - 1} do nothing", file=sys.stderr)
         module, function = COMMANDS[name].run.split(":")
         getattr(importlib.import_module(module), function)(cfg)
     except UserError as e:

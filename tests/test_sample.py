@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, python_cmd, run_cmd, subprocess_env
+from conftest import REPO, accelerate_cmd, python_cmd, run_cmd, subprocess_env
 
 from accel_gpt.cli import main as cli_main
 from accel_gpt.cli import parse
@@ -191,7 +191,8 @@ def test_non_finite_temperature_is_refused_by_the_config() -> None:
 
 @pytest.mark.slow
 def test_cli_prints_the_seeded_samples(checkpoint: Path, loaded) -> None:
-    """Reproducible across processes: the CLI prints what the same seed gives in this process."""
+    """Reproducible across processes: the CLI prints what the same seed gives in this process; under a launch of 2
+    processes, rank 0 alone samples."""
     args = ["--prompt", "Hello there", "--max_new_tokens", "10", "--seed", "7", "--top_k", "20", "--device", "cpu"]
     proc = run_cmd(python_cmd("sample", "--checkpoint", str(checkpoint), *args, "--num_samples", "2"))
     model, tokenizer = loaded
@@ -199,6 +200,9 @@ def test_cli_prints_the_seeded_samples(checkpoint: Path, loaded) -> None:
     assert texts[0] != texts[1]  # two draws from one generator, not one draw twice
     expected = f"{texts[0]}\n{'-' * 40}\n{texts[1]}\n"
     assert proc.stdout == expected.replace("\r\n", "\n").replace("\r", "\n")  # text-mode pipes translate \r
+    launched = run_cmd(accelerate_cmd(2, "sample", "--checkpoint", str(checkpoint), *args, "--num_samples", "2"))
+    assert launched.stdout == proc.stdout  # once, not once per rank run together
+    assert "note: sample runs in one process; the launch's other 1 do nothing" in launched.stderr
 
 
 # ------------------------------------------------------------------------------ end-of-text and the window
