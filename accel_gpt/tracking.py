@@ -267,10 +267,11 @@ class MetricsLogger:
         if self.skipped:
             losses += f"; {self.skipped} step(s) skipped by the spike guard"
         took = f"in {minutes:.1f} min" + (f" (this attempt, from step {self.start_step})" if self.start_step else "")
+        saved = (Path(cfg.out_dir) / "checkpoints").is_dir()
+        files = "metrics.jsonl, config.yaml" + (", checkpoints/" if saved else "")
         return (
             f"finished at step {state.step}/{cfg.max_steps} {took}, {state.tokens_seen:,} tokens seen; "
-            f"{losses}; run dir {cfg.out_dir} (metrics.jsonl, config.yaml, checkpoints/"
-            + (f"; {weights})" if weights else "; no final weights yet)")
+            f"{losses}; run dir {cfg.out_dir} ({files}" + (f"; {weights})" if weights else "; no final weights yet)")
         )
 
 

@@ -114,6 +114,7 @@ def test_a_runs_measured_peak_is_near_its_estimate(tmp_path: Path, shakespeare_s
     )
     assert estimated == megabytes(start.group(1))
     assert 1 / 1.5 < peak / estimated < 1.5, (peak, estimated)
+    assert "(metrics.jsonl, config.yaml; model.safetensors holds" in proc.stderr  # save_every 0: no checkpoints/
 
 
 def megabytes(text: str) -> float:
