@@ -77,7 +77,7 @@ from accel_gpt.files import (
     tensor_bytes,
     write_failure,
 )
-from accel_gpt.optim import apply_settings
+from accel_gpt.optim import apply_settings, schedule_moved
 from accel_gpt.rundir import same_on_every_rank
 from accel_gpt.shared_storage import agreement, gather_views
 from accel_gpt.spike import SpikeGuard
@@ -212,7 +212,7 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
     ) -> None:
-        self.accelerator, self.card, self.state, self.model = accelerator, card, state, model
+        self.cfg, self.accelerator, self.card, self.state, self.model = cfg, accelerator, card, state, model
         self.optimizer = optimizer
         self.fsdp = accelerator.distributed_type == DistributedType.FSDP
         self.out_dir, self.every = Path(cfg.out_dir), cfg.save_every
@@ -363,6 +363,9 @@ class Checkpointer:
         apply_settings(self.optimizer, config)
         for name in changed_settings(saved.config, config):
             logger.info(f"resume: {name} {saved.config[name]} -> {config[name]}")
+        moved = schedule_moved(self.cfg, saved.config, self.state.step)
+        if moved:
+            logger.info(moved)
         if resume != "auto":
             self.rollback_from = self.state.step
         self._begin_segment()

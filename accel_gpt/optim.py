@@ -10,6 +10,7 @@ runs with now, so a changed `schedule_steps` (a longer horizon for a run stopped
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -225,6 +226,28 @@ def lr_multiplier(step: int, cfg: TrainConfig, horizon: float | None = None) -> 
     if cfg.lr_schedule == "cosine":
         return floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return 1.0 - (1 - floor) * progress  # linear, and wsd's decay
+
+
+SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "lr_schedule", "schedule_steps", "max_steps", "min_lr_ratio")
+SCHEDULE_FIELDS += ("decay_fraction",)
+
+
+def schedule_moved(cfg: TrainConfig, saved: dict[str, Any], step: int) -> str | None:
+    """What a resume at `step` with other schedule settings than the checkpoint's `saved` config does to the next
+    update's rate, said with the way to keep the saved schedule; None where the rate is the same. A longer
+    --max_steps moves a decaying schedule's end, so a finished run's floor jumps back up."""
+    before = dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE_FIELDS if k in saved})
+    old, new = (c.learning_rate * lr_multiplier(step, c) for c in (before, cfg))
+    if math.isclose(old, new, rel_tol=1e-9):
+        return None
+    keep = ""
+    if before.max_steps != cfg.max_steps and not cfg.schedule_steps and cfg.lr_schedule != "constant":
+        horizon = schedule_horizon(before)
+        keep = f" (--schedule_steps {horizon} keeps its horizon: past step {horizon} the rate stays at the floor)"
+    return (
+        f"resume: the learning-rate schedule changed: step {step + 1} updates at {new:.3g}, where the checkpoint's "
+        f"schedule gave {old:.3g}{keep}"
+    )
 
 
 def wsd_decay_steps(cfg: TrainConfig, horizon: float | None = None) -> int:

@@ -182,8 +182,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_token_shards(tmp_path_factory.mktemp("optim") / "data", tokens, vocab_size=VOCAB)
 
 
-def _train(out: Path, data: Path, *flags: str) -> None:
-    run_cmd(python_cmd("train", *COMMON, "--data_dir", str(data), "--out_dir", str(out), *flags), timeout=600)
+def _train(out: Path, data: Path, *flags: str) -> str:
+    """The run's stderr (its log)."""
+    cmd = python_cmd("train", *COMMON, "--data_dir", str(data), "--out_dir", str(out), *flags)
+    return run_cmd(cmd, timeout=600).stderr
 
 
 def _rows(run: Path) -> list[dict]:
@@ -197,7 +199,8 @@ def test_run_stopped_inside_its_horizon_then_continued_equals_one_straight_run(t
     straight, split = tmp_path / "straight", tmp_path / "split"
     _train(straight, data, "--max_steps", "8", "--schedule_steps", "8", "--save_every", "0")
     _train(split, data, "--max_steps", "4", "--schedule_steps", "8", "--save_every", "4")
-    _train(split, data, "--max_steps", "8", "--schedule_steps", "8", "--save_every", "4", "--resume", "auto")
+    log = _train(split, data, "--max_steps", "8", "--schedule_steps", "8", "--save_every", "4", "--resume", "auto")
+    assert "resume: max_steps 4 -> 8" in log and "schedule changed" not in log  # the rates go on as they were
     a, b = load_file(str(straight / "model.safetensors")), load_file(str(split / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ra, rb = _rows(straight), _rows(split)
@@ -219,6 +222,22 @@ def test_wsd_run_stopped_in_its_stable_phase_continues_on_a_longer_horizon(tmp_p
     logged = [r["lr"] for r in _rows(out)]
     assert logged == pytest.approx([1e-3 * lr_multiplier(k, new) for k in range(12)], rel=1e-12)
     assert logged[4:] == pytest.approx([1e-3] * 6 + [7e-4, 4e-4], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_longer_run_resumed_says_its_rate_jumps_back_up(tmp_path: Path, data: Path) -> None:
+    """A finished 4-step cosine run resumed with --max_steps 6: the cosine now ends at step 6, so step 5 updates
+    well above the floor that step 4 reached; the log says so, with the flag that keeps the old horizon."""
+    out = tmp_path / "run"
+    _train(out, data, "--max_steps", "4", "--save_every", "4")
+    log = _train(out, data, "--max_steps", "6", "--save_every", "4", "--resume", "auto")
+    before, now = (1e-3 * lr_multiplier(4, TrainConfig(data_dir="x", warmup_steps=2, max_steps=n)) for n in (4, 6))
+    assert now > 5 * before
+    assert (
+        f"resume: the learning-rate schedule changed: step 5 updates at {now:.3g}, where the checkpoint's schedule "
+        f"gave {before:.3g} (--schedule_steps 4 keeps its horizon: past step 4 the rate stays at the floor)"
+    ) in log
+    assert _rows(out)[4]["lr"] == pytest.approx(now, rel=1e-12)
 
 
 # ------------------------------------------------------------------------------------------ Muon + AdamW
