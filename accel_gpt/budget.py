@@ -27,18 +27,21 @@ import re
 import time
 from typing import TYPE_CHECKING
 
+from accelerate.logging import get_logger
+
 from accel_gpt.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     import torch
 
+logger = get_logger(__name__)
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
 clock = time.perf_counter  # the clock steps are timed with
 
 
 def parse_duration(text: str) -> float:
     """Seconds from `300`, `300s`, `5m` or `1.5h`; a budget of 0, a negative one, NaN or infinity is refused."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([smh]?)\s*", text.lower())
+    match = re.fullmatch(r"\s*([+-]?[0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([smh]?)\s*", text.lower())
     if match is None:
         raise ConfigError(f"time_budget={text!r} is not a duration: give seconds (300) or a unit (300s, 5m, 1.5h)")
     seconds = float(match.group(1)) * _UNITS[match.group(2)]
@@ -50,8 +53,9 @@ def parse_duration(text: str) -> float:
 class TimeBudget:
     """The spent step time, agreed by all ranks; with no budget every method is a no-op and `done` is False."""
 
-    def __init__(self, seconds: float | None, device: torch.device, num_processes: int) -> None:
+    def __init__(self, seconds: float | None, device: torch.device, num_processes: int, warmup_steps: int = 0) -> None:
         self.seconds, self.device, self.num_processes = seconds, device, num_processes
+        self.warmup_steps = warmup_steps
         self.spent = 0.0  # counted step time, this run and those it resumed
         self.resumed_spent = 0.0  # what the checkpoint resumed from had spent
         self.counted = 0  # steps counted since this start
@@ -91,6 +95,12 @@ class TimeBudget:
             raise UserError(
                 f"time_budget={self.seconds:g}s is less than one step ({rank0_took:.3g}s here): give a longer budget, "
                 "or train by steps with --max_steps"
+            )
+        if self.counted == 1 and (self.horizon() or 0) < self.warmup_steps:
+            logger.warning(
+                f"time_budget={self.seconds:g}s: at {self.time_per_step():.3g}s per step it ends near step "
+                f"{self.horizon():.0f}, inside the {self.warmup_steps} warm-up steps, so the learning rate never "
+                "reaches its peak: give a longer budget or fewer --warmup_steps"
             )
 
     def horizon(self) -> float | None:

@@ -290,7 +290,7 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
     if newton_schulz is not None and newton_schulz.warning:
         logger.warning(newton_schulz.warning)
     optimizer = make_optimizer(model, cfg, accelerator.device.type, newton_schulz)
-    clock = TimeBudget(cfg.budget_seconds(), accelerator.device, accelerator.num_processes)
+    clock = TimeBudget(cfg.budget_seconds(), accelerator.device, accelerator.num_processes, cfg.warmup_steps)
     scheduler = make_scheduler(optimizer, cfg, clock.horizon)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
     if cfg.compile:

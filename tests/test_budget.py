@@ -43,7 +43,7 @@ def test_a_budget_is_seconds_or_a_unit(text: str, seconds: float) -> None:
         ("0m", "must be a positive, finite duration"),
         ("nan", "is not a duration"),
         ("inf", "is not a duration"),
-        ("-5", "is not a duration"),
+        ("-5", "must be a positive, finite duration"),
         ("5 minutes", "is not a duration"),
         ("1e999", "must be a positive, finite duration"),
     ],
@@ -167,6 +167,15 @@ def test_a_resume_after_a_kill_continues_the_budget(tmp_path: Path, data: Path) 
     assert "time budget 2s: 2.0s of step time counted (4 steps this start)" in proc.stderr
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 10
+
+
+def test_a_budget_that_ends_in_the_warm_up_says_so_once(tmp_path: Path, data: Path) -> None:
+    """9 steps fit the budget, the warm-up is 20: after the first counted step rank 0 warns (once, not per rank)."""
+    proc = budgeted(tmp_path / "control", data, tmp_path / "run", 0, "--warmup_steps", "20")
+    assert "| 2 process(es) on cpu" in proc.stderr
+    warning = "time_budget=2s: at 0.25s per step it ends near step 9, inside the 20 warm-up steps, so the learning"
+    assert proc.stderr.count(warning) == 1, proc.stderr[-3000:]
+    assert "time_budget" not in budgeted(tmp_path / "control2", data, tmp_path / "run2").stderr.split("finished")[0]
 
 
 def test_max_steps_still_caps_a_budget(tmp_path: Path, data: Path) -> None:
