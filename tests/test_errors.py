@@ -266,11 +266,11 @@ def build_cases(root: Path, s: dict[str, Path], read_only: Path | None) -> dict[
         "sample_no_tiktoken_files": Case(["sample", "--checkpoint", gpt2], "TIKTOKEN_CACHE_DIR", no_tiktoken),
         "eval_gpt2_model_on_char_shards": Case(
             ["eval", "--checkpoint", gpt2, "--data_dir", str(s["char_data"])],
-            f"the shards in {s['char_data']} hold char (65 characters) tokens, but {gpt2} was trained on gpt2 tokens",
+            f"the shards in {s['char_data']} hold 65 characters, but {gpt2} was trained on GPT-2's tokens",
         ),
         "eval_char_model_on_gpt2_shards": Case(
             ["eval", "--checkpoint", char, "--data_dir", str(s["gpt2_data"])],
-            f"hold gpt2 tokens, but {char} was trained on char (65 characters) tokens",
+            f"hold GPT-2's tokens, but {char} was trained on 65 characters",
         ),
         "eval_out_is_a_folder": Case(
             ["eval", "--checkpoint", gpt2, "--hellaswag", hs, "--limit", "2", "--out", "."],

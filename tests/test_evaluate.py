@@ -702,17 +702,17 @@ def test_shards_of_another_tokenizer_are_refused(
                                    vocab_size=65)  # fmt: skip
     line = eval_error(capsys, "--checkpoint", str(tiny_checkpoint), "--data_dir", str(char_data))
     assert line == (
-        f"error: the shards in {char_data} hold char (65 characters) tokens, but {tiny_checkpoint} was trained on "
-        "gpt2 tokens: its val_loss on them would mean nothing; prepare the data with the model's tokenizer"
+        f"error: the shards in {char_data} hold 65 characters, but {tiny_checkpoint} was trained on "
+        "GPT-2's tokens: its val_loss on them would mean nothing; prepare the data with the model's tokenizer"
     )
     char_model = save(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, vocab_size=65)), tmp_path / "char",
                       Tokenizer("char", chars))  # fmt: skip
     line = eval_error(capsys, "--checkpoint", str(char_model), "--data_dir", str(val_data))
-    assert "hold gpt2 tokens, but" in line and "trained on char (65 characters) tokens" in line
+    assert "hold GPT-2's tokens, but" in line and "trained on 65 characters:" in line
     other = save(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=16, vocab_size=65)), tmp_path / "other",
                  Tokenizer("char", "".join(map(chr, range(1, 66)))))  # fmt: skip
     line = eval_error(capsys, "--checkpoint", str(other), "--data_dir", str(char_data))
-    assert "hold char (65 characters) tokens of another vocabulary, but" in line
+    assert "hold 65 characters (another one of that size), but" in line
 
 
 def test_out_must_be_a_writable_file_and_is_checked_first(

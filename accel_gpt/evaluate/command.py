@@ -157,17 +157,18 @@ def check_same_tokenizer(manifest: dict[str, Any], model_tok: Tokenizer, data_di
     if data_tok == model_tok:
         return
     what, want = _describe(data_tok), _describe(model_tok)
-    other = " of another vocabulary" if what == want else ""
+    if what == want:
+        what += " (another one of that size)"
     raise DataError(
-        f"the shards in {data_dir} hold {what} tokens{other}, but {checkpoint} was trained on {want} tokens: its "
-        "val_loss on them would mean nothing; prepare the data with the model's tokenizer"
+        f"the shards in {data_dir} hold {what}, but {checkpoint} was trained on {want}: its val_loss on them would "
+        "mean nothing; prepare the data with the model's tokenizer"
     )
 
 
 def _describe(tok: Tokenizer) -> str:
     if tok.name == "bpe":
-        return f"bpe ({tok.vocab_size} tokens)"
-    return f"char ({tok.vocab_size} characters)" if tok.name == "char" else tok.name
+        return f"the tokens of a BPE of {tok.vocab_size:,} learned from text"
+    return f"{tok.vocab_size} characters" if tok.name == "char" else "GPT-2's tokens"
 
 
 def check_out_path(path: Path, cfg: EvalConfig) -> None:
