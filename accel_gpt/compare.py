@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +28,7 @@ from accel_gpt.rundir import read_run_config
 
 # Settings that never make two runs different experiments: where they ran, and how often they said so.
 _NOT_SETTINGS = ("out_dir", "config", "log_every", "log_with", "resume", "overwrite", "num_workers", "check_memory")
+VAL_SET = ("data_dir", "seq_len", "eval_windows", "eval_steps")  # what decides the text a val_loss is measured on
 LOG_COLUMNS = ("run", "val_loss", "val_bpb", "steps", "tokens", "train_seconds", "parameters", "settings")
 
 
@@ -71,6 +73,19 @@ def differing(results: list[Result]) -> list[str]:
     """The settings whose values are not the same in every run, in config order."""
     keys = list(dict.fromkeys(k for r in results for k in r.settings))
     return [k for k in keys if len({repr(r.settings.get(k)) for r in results}) > 1]
+
+
+def val_set_note(results: list[Result]) -> str | None:
+    """A note where the runs were scored on different validation sets: bits per byte compare models across
+    tokenizers, but only on the same text."""
+    differ = [k for k in VAL_SET if len({repr(r.settings.get(k)) for r in results}) > 1]
+    if not differ:
+        return None
+    return (
+        f"note: the runs were scored on different validation sets ({', '.join(differ)} differ): their val_loss and "
+        "val_bpb compare them only as far as those sets are alike; `run.py eval --checkpoint RUN --data_dir D "
+        "--eval_windows N` scores runs of one tokenizer on one set"
+    )
 
 
 def not_default(settings: dict[str, Any]) -> dict[str, Any]:
@@ -139,6 +154,9 @@ def run_compare(cfg: CompareConfig) -> None:
     run_dirs = [Path(d) for d in cfg.run_dirs]
     results = [Result.of(d, label) for d, label in zip(run_dirs, run_labels(run_dirs), strict=True)]
     print(aligned(table(results)))
+    note = val_set_note(results)
+    if note:
+        print(note, file=sys.stderr)
     if cfg.plot:
         from accel_gpt.plot import run_plot
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,21 @@ def test_the_curves_in_one_plot_and_a_log_that_grows(runs: list[Path], tmp_path:
     assert "learning_rate=0.003" in lines[2][-1] and "max_steps=4" in lines[2][-1]
     main(["compare", *map(str, runs), "--log", str(log)])
     assert "logged 0 runs" in capsys.readouterr().out and len(log.read_text().splitlines()) == 3
+
+
+def test_runs_scored_on_other_validation_sets_are_noted(runs: list[Path], tmp_path: Path, capsys) -> None:
+    """Two runs whose val_loss came from another number of windows: the table, and a note on stderr naming why their
+    measures may not compare; runs on one set get none."""
+    main(["compare", *map(str, runs)])
+    assert capsys.readouterr().err == ""
+    other = tmp_path / "other"
+    shutil.copytree(runs[1], other)
+    config = other / "config.yaml"
+    config.write_text(config.read_text().replace("eval_windows: 4\n", "eval_windows: 8\n"))
+    main(["compare", str(runs[0]), str(other)])
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0].split()[-2:] == ["learning_rate", "eval_windows"]
+    assert captured.err.startswith("note: the runs were scored on different validation sets (eval_windows differ)")
 
 
 @pytest.mark.parametrize(
