@@ -114,6 +114,8 @@ class MetricsLogger:
         self.accelerator = accelerator
         self.tokens_per_step = cfg.total_batch_size
         self.optimizer = cfg.optimizer  # the rates a divergence message names
+        self.vocab_size, self.warmup_steps, self.grad_clip = cfg.vocab_size or 0, cfg.warmup_steps, cfg.grad_clip
+        self.warned_above_uniform = False
         self.log_every = cfg.log_every
         self.flops_per_token = flops_per_token
         self.peak = device_peak_flops(accelerator.device)
@@ -180,7 +182,25 @@ class MetricsLogger:
         self.rows = []
         self._stop_if_diverged(rows)
         self._stop_if_stuck(rows)
+        self._warn_if_above_uniform(rows)
         return rows
+
+    def _warn_if_above_uniform(self, rows: list[dict[str, Any]]) -> None:
+        """Past warm-up, a loss over a nat above a uniform guess's (ln V) means the updates are breaking the weights:
+        the run goes on (it may come back), but says so once, with the remedy. A healthy run starts near ln V and
+        stays under it (tiny-cpu's worst spike after warm-up: 8.15 against ln 8,192 = 9.01)."""
+        if self.warned_above_uniform or not self.vocab_size:
+            return
+        uniform = math.log(self.vocab_size)
+        bad = next((r for r in rows if r["step"] > self.warmup_steps and r["loss"] > uniform + 1), None)
+        if bad:
+            self.warned_above_uniform = True
+            rate = "--muon_lr and --learning_rate" if self.optimizer == "muon" else "--learning_rate"
+            clipping = "; --grad_clip 1 bounds each update" if not self.grad_clip else ""
+            logger.warning(
+                f"step {bad['step']}: loss {bad['loss']:.4g} is above a uniform guess's (ln {self.vocab_size:,} = "
+                f"{uniform:.4g}): the updates are breaking the weights; train again with a lower {rate}{clipping}"
+            )
 
     def _stop_if_diverged(self, rows: list[dict[str, Any]]) -> None:
         """A non-finite loss (the weights before the step) or gradient norm (the weights it makes) ends the run

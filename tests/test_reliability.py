@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -652,6 +653,24 @@ def test_a_non_finite_loss_stops_the_run_and_names_what_then_trains(data: Path, 
     if processes == 1:  # what the line says, done
         train(data, out, *diverge, "--learning_rate", "1e-3", "--overwrite", "true", "--save_every", "0")
         assert [r["step"] for r in rows(out)] == list(range(1, 7)) and (out / "model.safetensors").is_file()
+
+
+def test_a_loss_above_a_uniform_guess_after_warm_up_is_warned_of_once(data: Path, tmp_path: Path) -> None:
+    """A rate of 9 without clipping: the loss climbs far above ln 256 but stays finite, so the run goes on; on 2
+    processes rank 0 warns once, at the first logged step past warm-up over ln V + 1, naming the remedy. The run at
+    1e-3 says nothing of it."""
+    too_high = ("--learning_rate", "9", "--grad_clip", "0", "--max_steps", "12", "--log_every", "1")
+    proc = train(data, tmp_path / "run", *too_high, "--save_every", "0", processes=2)
+    assert "| 2 process(es) on cpu" in proc.stderr
+    said = r"WARNING .*step (\d+): loss ([\d.e+]+) is above a uniform guess's \(ln 256 = 5.545\): the updates are "
+    said += r"breaking the weights; train again with a lower --learning_rate; --grad_clip 1 bounds each update"
+    warned = re.findall(said, proc.stderr)
+    assert len(warned) == 1, proc.stderr[-3000:]
+    step, loss = int(warned[0][0]), float(warned[0][1])
+    first = next(r for r in rows(tmp_path / "run") if r["step"] > 2 and r["loss"] > math.log(256) + 1)
+    assert step == first["step"] and loss == pytest.approx(first["loss"], rel=1e-3)
+    healthy = train(data, tmp_path / "healthy", "--max_steps", "12", "--save_every", "0")
+    assert "uniform guess" not in healthy.stderr
 
 
 def test_a_run_that_diverges_after_a_resume_names_the_checkpoint_that_trains_on(data: Path, tmp_path: Path) -> None:
