@@ -152,13 +152,15 @@ def sample_ids(
 
 
 def decode_samples(rows: list[list[int]], tokenizer: Tokenizer, prompt_len: int, stop_at_eot: bool) -> list[str]:
-    """The texts of `sample_ids` rows: a final end-of-text that ended a sample is not part of its text."""
+    """The texts of `sample_ids` rows: a final end-of-text that ended a sample is not part of its text, nor the one
+    an empty prompt starts from (no text encodes to it, so a one-token prompt of end-of-text is that start)."""
     eot = tokenizer.eot_token
+    start = 1 if eot is not None and prompt_len == 1 and rows and rows[0][0] == eot else 0
 
     def ended(row: list[int]) -> bool:
         return stop_at_eot and eot is not None and len(row) > prompt_len and row[-1] == eot
 
-    return [tokenizer.decode(row[:-1] if ended(row) else row) for row in rows]
+    return [tokenizer.decode(row[start:-1] if ended(row) else row[start:]) for row in rows]
 
 
 def context_warning(rows: list[list[int]], prompt_len: int, seq_len: int) -> str | None:

@@ -123,7 +123,7 @@ def test_mode_is_restored_and_bad_arguments_are_user_errors(loaded) -> None:
     draw(loaded, seed=0, max_new_tokens=1)
     assert model.training
     model.eval()
-    assert draw(loaded, seed=0, prompt="", max_new_tokens=0) == "<|endoftext|>"  # where a document starts
+    assert draw(loaded, seed=0, prompt="", max_new_tokens=0) == ""  # it starts at end-of-text, which is no text
     with pytest.raises(UserError, match="temperature must be >= 0"):
         draw(loaded, seed=0, temperature=-1.0)
     with pytest.raises(UserError, match="top_k must be >= 0"):
@@ -160,6 +160,17 @@ def test_prompt_encoding_errors_are_user_errors() -> None:
         encode_prompt(chars, "Hi")
     with pytest.raises(UserError, match="the prompt is empty and this tokenizer has no end-of-text token"):
         encode_prompt(chars, "")
+
+
+def test_an_empty_prompts_start_token_is_not_printed(checkpoint: Path, loaded) -> None:
+    """An empty prompt starts from end-of-text, where a document begins: the sample is what follows it, with no
+    literal `<|endoftext|>` in front."""
+    args = ["--prompt", "", "--max_new_tokens", "6", "--seed", "3", "--device", "cpu", "--stop_at_eot", "false"]
+    proc = run_cmd(python_cmd("sample", "--checkpoint", str(checkpoint), *args))
+    model, tokenizer = loaded
+    (ids,) = sample_ids(model, TINY, tokenizer, "", 6, 1.0, 50, 3, "cpu", stop_at_eot=False)
+    assert ids[0] == 50256 and proc.stdout == tokenizer.decode(ids[1:]) + "\n"
+    assert not proc.stdout.startswith("<|endoftext|>")
 
 
 def test_device_is_checked_before_the_model_loads() -> None:
