@@ -81,7 +81,17 @@ def test_indivisible_batch(capsys: pytest.CaptureFixture, tmp_path: Path, data: 
 def test_missing_data_dir(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     assert "data_dir is required" in _fails(capsys, tmp_path / "o", *TINY)
     err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(tmp_path / "nope"))
-    assert "does not exist" in err
+    assert "does not exist" in err and "did you mean" not in err
+
+
+def test_a_misspelt_data_dir_names_the_prepared_folder_beside_it(
+    capsys: pytest.CaptureFixture, tmp_path: Path, data: Path
+) -> None:
+    shutil.copytree(data, tmp_path / "shakespeare-char")
+    (tmp_path / "shakespeare").mkdir()  # close too, but nothing prepared in it
+    typo, meant = tmp_path / "shakespeare_char", tmp_path / "shakespeare-char"
+    err = _fails(capsys, tmp_path / "o", *TINY, "--data_dir", str(typo))
+    assert err.startswith(f"error: data_dir '{typo}' does not exist; did you mean {meant}? If not, write it with"), err
 
 
 def test_missing_manifest(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

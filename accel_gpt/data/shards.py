@@ -36,6 +36,7 @@ sha256 as it writes the shard.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
@@ -160,6 +161,15 @@ def prepare_hint(data_dir: Path) -> str:
     return said + (f", a new folder since {data_dir} holds other files" if taken else "")
 
 
+def prepared_near(data_dir: Path) -> list[str]:
+    """Prepared folders beside `data_dir` whose names are close to its name (a typo's likely meaning)."""
+    try:
+        names = [p.name for p in data_dir.parent.iterdir() if (p / MANIFEST).is_file()]
+    except OSError:
+        return []
+    return [str(data_dir.parent / name) for name in difflib.get_close_matches(data_dir.name, names, n=2, cutoff=0.7)]
+
+
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     """The manifest of a prepared folder, checked for the fields and types every reader relies on."""
     if not str(data_dir):
@@ -168,7 +178,11 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     if data_dir.is_file():
         raise DataError(f"data_dir '{data_dir}' is a file; give the folder `run.py prepare` wrote")
     if not data_dir.is_dir():
-        raise DataError(f"data_dir '{data_dir}' does not exist; {prepare_hint(data_dir)}")
+        close = prepared_near(data_dir)
+        hint = (
+            f"did you mean {' or '.join(close)}? If not, {prepare_hint(data_dir)}" if close else prepare_hint(data_dir)
+        )
+        raise DataError(f"data_dir '{data_dir}' does not exist; {hint}")
     path = data_dir / MANIFEST
     if not path.is_file():
         raise DataError(f"no {MANIFEST} in data_dir '{data_dir}'; {prepare_hint(data_dir)}")
