@@ -477,11 +477,19 @@ def _load_error(path_or_id: str, e: Exception) -> str:
         reason = "its weights file holds something other than tensors: refused as unsafe (unpickling could run code)"
     elif "ignore_mismatched_sizes" in str(e):  # its "report above" is one `quiet_transformers` keeps quiet
         reason = "its weights have other shapes than its config.json describes"
+    elif _offline() and "connect" in reason:  # transformers' "couldn't connect" where nothing was tried
+        reason = "not in the local cache, and HF_HUB_OFFLINE=1 keeps the hub from being asked"
     elif reason.endswith(":"):  # a validation error whose reason follows on the next lines
         reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300]
     if Path(path_or_id).expanduser().exists():
         return f"cannot load transformers model '{path_or_id}': {reason}"
     return f"'{path_or_id}' is not a local folder (no such path{_close_paths(path_or_id)}), and as a hub id: {reason}"
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def _close_paths(path: str) -> str:
