@@ -121,6 +121,11 @@ def main(argv: list[str] | None = None) -> None:
             close_progress_bars()
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C where nothing handles it (start-up, eval, sample): no traceback
+        close_progress_bars()
+        if is_main_rank():
+            print("interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
 
 
 def close_progress_bars() -> None:

@@ -259,3 +259,26 @@ def test_misspelt_preset_is_one_line_naming_the_close_ones(capsys: pytest.Captur
     assert "nor a prepare preset; did you mean tinyshakespeare" in err
     err = one_line_error(capsys, ["train", "--config", "tiny-cpuu", "--help"])  # not a help with wrong defaults
     assert "did you mean tiny-cpu?" in err
+
+
+def test_ctrl_c_where_no_handler_is_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C in a command that has no stop handler (`compare` here, blocked reading a run's config from a pipe
+    that nobody writes; start-up, eval and sample alike): one line and exit code 130, no traceback."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import REPO, subprocess_env
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    os.mkfifo(run / "config.yaml")
+    proc = subprocess.Popen(
+        [*python_cmd("compare", str(run))], cwd=REPO, env=subprocess_env(), stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(3)  # it waits on the pipe for ever: any time past its start-up finds it there
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["interrupted (Ctrl-C)"], err
