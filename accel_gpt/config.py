@@ -554,6 +554,14 @@ class TrainConfig(Config):
             given = [name for name in MUON_FIELDS if getattr(self, name) != self._muon_default(name)]
             if given:
                 notes.append(f"{', '.join(given)}: Muon's setting(s), unused with --optimizer adamw")
+        embedding = (self.vocab_size or 0) * self.n_embd * (2 if self.arch == "nanochat" else 1)  # + untied head
+        blocks = 12 * self.n_layer * self.n_embd**2
+        if embedding > 9 * blocks:  # over 90% of the parameters
+            notes.append(
+                f"the embedding ({self.vocab_size:,} ids x {self.n_embd}) holds {embedding / (embedding + blocks):.0%} "
+                "of the model's parameters and much of its step: for a model this small, a vocabulary learned from "
+                "the text (prepare --tokenizer bpe, 8,192 ids) leaves them to the blocks"
+            )
         source = Path(self.config)
         if source.name == "config.yaml" and (source.parent / "metrics.jsonl").is_file():  # a run's own config.yaml
             if source.parent.resolve() != Path(self.out_dir).resolve():

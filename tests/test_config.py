@@ -252,6 +252,12 @@ def test_settings_that_do_less_than_they_seem_are_noted() -> None:
         "muon_lr, muon_ns_steps: Muon's setting(s), unused with --optimizer adamw"
     ]
     assert TrainConfig(data_dir="x", optimizer="muon", muon_lr=0.05).notes() == []
+    gpt2_tokens = TrainConfig.load("tiny-cpu", {"vocab_size": 50304}).notes()
+    assert gpt2_tokens == [
+        "the embedding (50,304 ids x 64) holds 97% of the model's parameters and much of its step: for a model this "
+        "small, a vocabulary learned from the text (prepare --tokenizer bpe, 8,192 ids) leaves them to the blocks"
+    ]
+    assert TrainConfig.load("tiny-cpu", {"vocab_size": 8192}).notes() == []  # the quick start's: 84%
     best = TrainConfig(data_dir="x", final_weights="best", save_every=4, eval_every=6)
     assert best.notes() == [
         "final_weights best ranks only checkpoints saved at evaluated steps: with save_every 4 and eval_every 6, "
