@@ -563,7 +563,7 @@ class TrainConfig(Config):
                 "the text (prepare --tokenizer bpe, 8,192 ids) leaves them to the blocks"
             )
         source = Path(self.config)
-        if source.name == "config.yaml" and (source.parent / "metrics.jsonl").is_file():  # a run's own config.yaml
+        if is_run_config(source):
             if source.parent.resolve() != Path(self.out_dir).resolve():
                 notes.append(
                     f"{source} is another folder's run config: this run writes to its out_dir {self.out_dir}, not to "

@@ -10,7 +10,7 @@ runs with now, so a changed `schedule_steps` (a longer horizon for a run stopped
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -228,15 +228,17 @@ def lr_multiplier(step: int, cfg: TrainConfig, horizon: float | None = None) -> 
     return 1.0 - (1 - floor) * progress  # linear, and wsd's decay
 
 
-SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "lr_schedule", "schedule_steps", "max_steps", "min_lr_ratio")
-SCHEDULE_FIELDS += ("decay_fraction",)
+SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "lr_schedule", "schedule_steps", "max_steps", "min_lr_ratio",
+                   "decay_fraction")  # fmt: skip
 
 
 def schedule_moved(cfg: TrainConfig, saved: dict[str, Any], step: int) -> str | None:
     """What a resume at `step` with other schedule settings than the checkpoint's `saved` config does to the next
     update's rate, said with the way to keep the saved schedule; None where the rate is the same. A longer
     --max_steps moves a decaying schedule's end, so a finished run's floor jumps back up."""
-    before = dataclasses.replace(cfg, **{k: saved[k] for k in SCHEDULE_FIELDS if k in saved})
+    before = copy.copy(cfg)  # not validated again: the saved rate may not go with this config's other settings
+    for name in SCHEDULE_FIELDS:
+        setattr(before, name, saved.get(name, getattr(cfg, name)))
     old, new = (c.learning_rate * lr_multiplier(step, c) for c in (before, cfg))
     if math.isclose(old, new, rel_tol=1e-9):
         return None

@@ -178,10 +178,8 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     if data_dir.is_file():
         raise DataError(f"data_dir '{data_dir}' is a file; give the folder `run.py prepare` wrote")
     if not data_dir.is_dir():
-        close = prepared_near(data_dir)
-        hint = (
-            f"did you mean {' or '.join(close)}? If not, {prepare_hint(data_dir)}" if close else prepare_hint(data_dir)
-        )
+        close, hint = prepared_near(data_dir), prepare_hint(data_dir)
+        hint = f"did you mean {' or '.join(close)}? If not, {hint}" if close else hint
         raise DataError(f"data_dir '{data_dir}' does not exist; {hint}")
     path = data_dir / MANIFEST
     if not path.is_file():
