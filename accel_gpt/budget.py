@@ -27,14 +27,11 @@ import re
 import time
 from typing import TYPE_CHECKING
 
-from accelerate.logging import get_logger
-
 from accel_gpt.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     import torch
 
-logger = get_logger(__name__)
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
 clock = time.perf_counter  # the clock steps are timed with
 
@@ -53,9 +50,11 @@ def parse_duration(text: str) -> float:
 class TimeBudget:
     """The spent step time, agreed by all ranks; with no budget every method is a no-op and `done` is False."""
 
-    def __init__(self, seconds: float | None, device: torch.device, num_processes: int, warmup_steps: int = 0) -> None:
+    def __init__(
+        self, seconds: float | None, device: torch.device, num_processes: int, warmup_steps: int = 0, max_steps: int = 0
+    ) -> None:
         self.seconds, self.device, self.num_processes = seconds, device, num_processes
-        self.warmup_steps = warmup_steps
+        self.warmup_steps, self.max_steps = warmup_steps, max_steps  # for the warning of a budget inside warm-up
         self.spent = 0.0  # counted step time, this run and those it resumed
         self.resumed_spent = 0.0  # what the checkpoint resumed from had spent
         self.counted = 0  # steps counted since this start
@@ -96,12 +95,22 @@ class TimeBudget:
                 f"time_budget={self.seconds:g}s is less than one step ({rank0_took:.3g}s here): give a longer budget, "
                 "or train by steps with --max_steps"
             )
-        if self.counted == 1 and (self.horizon() or 0) < self.warmup_steps:
-            logger.warning(
-                f"time_budget={self.seconds:g}s: at {self.time_per_step():.3g}s per step it ends near step "
-                f"{self.horizon():.0f}, inside the {self.warmup_steps} warm-up steps, so the learning rate never "
-                "reaches its peak: give a longer budget or fewer --warmup_steps"
-            )
+        if self.counted == 1:
+            self._warn_if_inside_warmup()
+
+    def _warn_if_inside_warmup(self) -> None:
+        """Once the time per step is known: a budget that ends before its warm-up (and before max_steps, which would
+        end it there anyway) never trains at its peak rate."""
+        ends = self.horizon()
+        if ends is None or ends >= self.warmup_steps or (self.max_steps and ends >= self.max_steps):
+            return
+        from accelerate.logging import get_logger  # not at import: a config's validation reads parse_duration
+
+        get_logger(__name__).warning(
+            f"time_budget={self.seconds:g}s: at {self.time_per_step():.3g}s per step it ends near step {ends:.0f}, "
+            f"inside the {self.warmup_steps} warm-up steps, so the learning rate never reaches its peak: give a "
+            "longer budget or fewer --warmup_steps"
+        )
 
     def horizon(self) -> float | None:
         """The step the budget should end at, from the time per counted step so far; None before one is counted."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from accel_gpt.config import CompareConfig, PlotConfig, TrainConfig
 from accel_gpt.errors import UserError
+from accel_gpt.evaluate.val_loss import run_val_windows
 from accel_gpt.files import atomic_write, write_or_refuse
 from accel_gpt.memory import parameter_counts
 from accel_gpt.plot import load_rows, run_labels
@@ -28,7 +29,6 @@ from accel_gpt.rundir import read_run_config
 
 # Settings that never make two runs different experiments: where they ran, and how often they said so.
 _NOT_SETTINGS = ("out_dir", "config", "log_every", "log_with", "resume", "overwrite", "num_workers", "check_memory")
-VAL_SET = ("data_dir", "seq_len", "eval_windows", "eval_steps")  # what decides the text a val_loss is measured on
 LOG_COLUMNS = ("run", "val_loss", "val_bpb", "steps", "tokens", "train_seconds", "parameters", "settings")
 
 
@@ -75,10 +75,24 @@ def differing(results: list[Result]) -> list[str]:
     return [k for k in keys if len({repr(r.settings.get(k)) for r in results}) > 1]
 
 
+def val_set(settings: dict[str, Any]) -> dict[str, Any]:
+    """What decides the text a run's val_loss was measured on, in one form: its folders (resolved, with their shares
+    of a mixture's loss), the window length and the number of windows (an older config's eval_steps counted)."""
+    folders = [str(Path(d.strip()).expanduser().resolve()) for d in str(settings.get("data_dir", "")).split(",")]
+    try:
+        weights = [float(w) for w in str(settings.get("data_weights") or "").split(",") if w.strip()]
+    except ValueError:  # a config.yaml edited by hand: its text is what there is to compare
+        weights = []
+    weights = weights or [1.0] * len(folders)
+    shares = sorted(zip(folders, (round(w / sum(weights), 9) for w in weights), strict=False))
+    return {"data_dir": shares, "seq_len": settings.get("seq_len"), "eval_windows": run_val_windows(settings)}
+
+
 def val_set_note(results: list[Result]) -> str | None:
     """A note where the runs were scored on different validation sets: bits per byte compare models across
     tokenizers, but only on the same text."""
-    differ = [k for k in VAL_SET if len({repr(r.settings.get(k)) for r in results}) > 1]
+    sets = [val_set(r.settings) for r in results]
+    differ = [k for k in sets[0] if len({repr(s[k]) for s in sets}) > 1]
     if not differ:
         return None
     return (

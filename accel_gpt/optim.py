@@ -235,7 +235,10 @@ SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "lr_schedule", "schedule_ste
 def schedule_moved(cfg: TrainConfig, saved: dict[str, Any], step: int) -> str | None:
     """What a resume at `step` with other schedule settings than the checkpoint's `saved` config does to the next
     update's rate, said with the way to keep the saved schedule; None where the rate is the same. A longer
-    --max_steps moves a decaying schedule's end, so a finished run's floor jumps back up."""
+    --max_steps moves a decaying schedule's end, so a finished run's floor jumps back up. Not said for a time budget,
+    whose horizon follows the clock (its rates are the budget's to set)."""
+    if cfg.time_budget or saved.get("time_budget"):
+        return None
     before = copy.copy(cfg)  # not validated again: the saved rate may not go with this config's other settings
     for name in SCHEDULE_FIELDS:
         setattr(before, name, saved.get(name, getattr(cfg, name)))

@@ -110,11 +110,14 @@ class _TqdmHandler(logging.Handler):
 class MetricsLogger:
     """Steps since the last host sync, written out as one row per step when the window is collected."""
 
-    def __init__(self, cfg: TrainConfig, accelerator: Accelerator, flops_per_token: int, step: int) -> None:
+    def __init__(
+        self, cfg: TrainConfig, accelerator: Accelerator, flops_per_token: int, step: int, vocab_size: int = 0
+    ) -> None:
+        """`vocab_size`: the tokenizer's (the model's rows past it are padding), for `_warn_if_above_uniform`."""
         self.accelerator = accelerator
         self.tokens_per_step = cfg.total_batch_size
         self.optimizer = cfg.optimizer  # the rates a divergence message names
-        self.vocab_size, self.warmup_steps, self.grad_clip = cfg.vocab_size or 0, cfg.warmup_steps, cfg.grad_clip
+        self.vocab_size, self.warmup_steps, self.grad_clip = vocab_size, cfg.warmup_steps, cfg.grad_clip
         self.warned_above_uniform = False
         self.log_every = cfg.log_every
         self.flops_per_token = flops_per_token
@@ -192,7 +195,8 @@ class MetricsLogger:
         if self.warned_above_uniform or not self.vocab_size:
             return
         uniform = math.log(self.vocab_size)
-        bad = next((r for r in rows if r["step"] > self.warmup_steps and r["loss"] > uniform + 1), None)
+        applied = [r for r in rows if r["step"] > self.warmup_steps and not r.get("skipped")]  # the guard's are not
+        bad = next((r for r in applied if r["loss"] > uniform + 1), None)
         if bad:
             self.warned_above_uniform = True
             rate = "--muon_lr and --learning_rate" if self.optimizer == "muon" else "--learning_rate"

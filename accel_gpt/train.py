@@ -83,7 +83,7 @@ def train(cfg: TrainConfig) -> None:
     evaluator = Evaluator(cfg, accelerator, run.model, run.card, run.splits)
     with run_dir.start(accelerator), StopSignal(accelerator) as stop:  # the lock, held until the run ends
         checkpointer.retire_later_line()  # resumed by path: the old line's later checkpoints are moved aside
-        log = MetricsLogger(cfg, accelerator, run.flops_per_token, state.step)
+        log = MetricsLogger(cfg, accelerator, run.flops_per_token, state.step, run.card.tokenizer.vocab_size)
         batches = run.batches(state.data_position)  # the stream position follows from the step
         logger.info(describe(cfg, accelerator, run))
         while state.step < cfg.max_steps and not run.budget.done:
@@ -290,7 +290,9 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
     if newton_schulz is not None and newton_schulz.warning:
         logger.warning(newton_schulz.warning)
     optimizer = make_optimizer(model, cfg, accelerator.device.type, newton_schulz)
-    clock = TimeBudget(cfg.budget_seconds(), accelerator.device, accelerator.num_processes, cfg.warmup_steps)
+    clock = TimeBudget(
+        cfg.budget_seconds(), accelerator.device, accelerator.num_processes, cfg.warmup_steps, cfg.max_steps
+    )
     scheduler = make_scheduler(optimizer, cfg, clock.horizon)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
     if cfg.compile:

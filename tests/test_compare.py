@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import python_cmd, run_cmd, write_token_shards
 
 from accel_gpt.cli import main
@@ -62,6 +64,13 @@ def test_runs_scored_on_other_validation_sets_are_noted(runs: list[Path], tmp_pa
     """Two runs whose val_loss came from another number of windows: the table, and a note on stderr naming why their
     measures may not compare; runs on one set get none."""
     main(["compare", *map(str, runs)])
+    assert capsys.readouterr().err == ""
+    relative = tmp_path / "relative"  # the same folder, named from here
+    shutil.copytree(runs[1], relative)
+    config = relative / "config.yaml"
+    data = yaml.safe_load(config.read_text())["data_dir"]
+    config.write_text(config.read_text().replace(data, os.path.relpath(data)))
+    main(["compare", str(runs[0]), str(relative)])
     assert capsys.readouterr().err == ""
     other = tmp_path / "other"
     shutil.copytree(runs[1], other)

@@ -686,6 +686,8 @@ def test_rows_without_text_are_counted_not_made_documents(tmp_path: Path, tok, c
     assert "prepared: 3 documents (skipped 2 rows with no text)" in capsys.readouterr().out
     cli_main(["prepare", "--dataset", str(src), "--out_dir", str(tmp_path / "out")])
     assert "already prepared: 3 documents (skipped 2 rows with no text)" in capsys.readouterr().out
+    cli_main(["prepare", "--dataset", str(src), "--tokenizer", "char", "--out_dir", str(tmp_path / "chars")])
+    assert "prepared: skipped 2 rows with no text, 9 tokens (train 9 tokens / 1 shard)" in capsys.readouterr().out
 
 
 def _multibyte_text(shakespeare_path: Path) -> str:

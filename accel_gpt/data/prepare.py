@@ -175,8 +175,11 @@ class Summary:
         total = sum(self.tokens.values())
         tokenized = self.status in ("prepared", "resumed and prepared")
         rate = f", {tokens_per_second(total, self.seconds)}" if tokenized else ""
-        skipped = f" (skipped {self.skipped_null:,} rows with no text)" if self.skipped_null else ""
-        documents = f"{_count(sum(self.documents.values()), 'document')}{skipped}, " if self.documents else ""
+        skipped = f"skipped {_count(self.skipped_null, 'row')} with no text" if self.skipped_null else ""
+        documents = _count(sum(self.documents.values()), "document") if self.documents else ""
+        if documents and skipped:
+            documents += f" ({skipped})"
+        documents = f"{documents or skipped}, " if documents or skipped else ""
         return (
             f"{self.status}: {documents}{total:,} tokens ({per_split}) in {self.seconds:.1f}s{rate} -> {self.out_dir}"
         )
