@@ -557,10 +557,13 @@ class TrainConfig(Config):
         embedding = (self.vocab_size or 0) * self.n_embd * (2 if self.arch == "nanochat" else 1)  # + untied head
         blocks = 12 * self.n_layer * self.n_embd**2
         if embedding > 9 * blocks:  # over 90% of the parameters
+            smaller = "a vocabulary learned from the text (prepare --tokenizer bpe, 8,192 ids)"
+            if (self.vocab_size or 0) <= 8192:
+                smaller = "a smaller vocabulary (prepare --tokenizer bpe --vocab_size N) or more layers"
             notes.append(
                 f"the embedding ({self.vocab_size:,} ids x {self.n_embd}) holds {embedding / (embedding + blocks):.0%} "
-                "of the model's parameters and much of its step: for a model this small, a vocabulary learned from "
-                "the text (prepare --tokenizer bpe, 8,192 ids) leaves them to the blocks"
+                f"of the model's parameters and much of its step: for a model this small, {smaller} leaves more to "
+                "the blocks"
             )
         source = Path(self.config)
         if is_run_config(source):

@@ -255,9 +255,11 @@ def test_settings_that_do_less_than_they_seem_are_noted() -> None:
     gpt2_tokens = TrainConfig.load("tiny-cpu", {"vocab_size": 50304}).notes()
     assert gpt2_tokens == [
         "the embedding (50,304 ids x 64) holds 97% of the model's parameters and much of its step: for a model this "
-        "small, a vocabulary learned from the text (prepare --tokenizer bpe, 8,192 ids) leaves them to the blocks"
+        "small, a vocabulary learned from the text (prepare --tokenizer bpe, 8,192 ids) leaves more to the blocks"
     ]
     assert TrainConfig.load("tiny-cpu", {"vocab_size": 8192}).notes() == []  # the quick start's: 84%
+    (narrow,) = TrainConfig.load("tiny-cpu", {"vocab_size": 8192, "n_layer": 1}).notes()  # 91%: BPE already
+    assert "a smaller vocabulary (prepare --tokenizer bpe --vocab_size N) or more layers leaves more" in narrow
     best = TrainConfig(data_dir="x", final_weights="best", save_every=4, eval_every=6)
     assert best.notes() == [
         "final_weights best ranks only checkpoints saved at evaluated steps: with save_every 4 and eval_every 6, "

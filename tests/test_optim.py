@@ -28,6 +28,7 @@ from accel_gpt.optim import (
     make_optimizer,
     make_scheduler,
     schedule_horizon,
+    schedule_moved,
 )
 
 
@@ -238,6 +239,8 @@ def test_a_longer_run_resumed_says_its_rate_jumps_back_up(tmp_path: Path, data: 
         f"gave {before:.3g} (--schedule_steps 4 keeps its horizon: past step 4 the rate stays at the floor)"
     ) in log
     assert _rows(out)[4]["lr"] == pytest.approx(now, rel=1e-12)
+    budgeted = TrainConfig(data_dir="x", warmup_steps=2, max_steps=6, time_budget="1m")  # its horizon is the clock's
+    assert schedule_moved(budgeted, {"max_steps": 4, "warmup_steps": 2}, 4) is None
 
 
 # ------------------------------------------------------------------------------------------ Muon + AdamW
