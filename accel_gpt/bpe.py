@@ -65,7 +65,7 @@ def train(texts: Iterable[str], vocab_size: int) -> str:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - 1,  # end-of-text is added after the merges
         min_frequency=2,  # a pair seen once is no pattern
-        show_progress=sys.stdout.isatty(),  # its bars go to stdout; piped, it writes only blank lines there
+        show_progress=sys.stdout.isatty(),  # piped, its bars still end each stage with a blank line on stdout
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     learner.train_from_iterator(texts, trainer)

@@ -109,11 +109,13 @@ ONE_PROCESS = ("sample", "export", "compare", "plot")  # they build no Accelerat
 def main(argv: list[str] | None = None) -> None:
     try:
         name, cfg = parse(sys.argv[1:] if argv is None else argv)  # on every rank: bad input is said once, all exit 2
-        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        world = os.environ.get("WORLD_SIZE", "1")
+        launched = int(world) if world.isdigit() else 1
         if name in ONE_PROCESS and launched > 1:  # under `accelerate launch` of several: rank 0 alone runs it
             if not is_main_rank():
                 return
-            print(f"note: {name} runs in one process; the launch's other {launched - 1} do nothing", file=sys.stderr)
+            others = "the other process exits" if launched == 2 else f"the other {launched - 1} processes exit"
+            print(f"note: {name} runs on rank 0 only; {others}", file=sys.stderr)
         module, function = COMMANDS[name].run.split(":")
         getattr(importlib.import_module(module), function)(cfg)
     except UserError as e:

@@ -478,7 +478,7 @@ def _load_error(path_or_id: str, e: Exception) -> str:
     elif "ignore_mismatched_sizes" in str(e):  # its "report above" is one `quiet_transformers` keeps quiet
         reason = "its weights have other shapes than its config.json describes"
     elif _offline() and "connect" in reason:  # transformers' "couldn't connect" where nothing was tried
-        reason = "not in the local cache, and HF_HUB_OFFLINE=1 keeps the hub from being asked"
+        reason = "not in the local cache, and offline mode (HF_HUB_OFFLINE) keeps the hub from being asked"
     elif reason.endswith(":"):  # a validation error whose reason follows on the next lines
         reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip())[:300]
     if Path(path_or_id).expanduser().exists():

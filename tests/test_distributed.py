@@ -97,3 +97,5 @@ def test_only_the_main_process_writes_files_and_prints(tmp_path: Path, shakespea
     reads = [rank["read"] for rank in records["eval"]]
     for name, count in (("val", 4), ("hellaswag", 8)):
         assert all(r[name] for r in reads) and sorted(reads[0][name] + reads[1][name]) == list(range(count)), reads
+    zero, one = (rank["read"]["val"] for rank in records["train"])  # its evaluations at steps 2 and 4, alike
+    assert not set(zero) & set(one) and sorted(zero + one) == sorted(list(range(4)) * 2), (zero, one)

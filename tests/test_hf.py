@@ -231,7 +231,7 @@ def test_a_mistyped_local_path_is_said_to_be_one(tmp_path, monkeypatch):
         load_model("runs/tiny_cpu")
     assert str(err.value) == (
         "'runs/tiny_cpu' is not a local folder (no such path; did you mean runs/tiny-cpu?), and as a hub id: not in "
-        "the local cache, and HF_HUB_OFFLINE=1 keeps the hub from being asked"
+        "the local cache, and offline mode (HF_HUB_OFFLINE) keeps the hub from being asked"
     )  # offline, as every test runs: transformers' "couldn't connect" would say a connection was tried
 
 

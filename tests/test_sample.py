@@ -213,7 +213,7 @@ def test_cli_prints_the_seeded_samples(checkpoint: Path, loaded) -> None:
     assert proc.stdout == expected.replace("\r\n", "\n").replace("\r", "\n")  # text-mode pipes translate \r
     launched = run_cmd(accelerate_cmd(2, "sample", "--checkpoint", str(checkpoint), *args, "--num_samples", "2"))
     assert launched.stdout == proc.stdout  # once, not once per rank run together
-    assert "note: sample runs in one process; the launch's other 1 do nothing" in launched.stderr
+    assert "note: sample runs on rank 0 only; the other process exits" in launched.stderr
 
 
 # ------------------------------------------------------------------------------ end-of-text and the window

@@ -164,10 +164,11 @@ def prepare_hint(data_dir: Path) -> str:
 def prepared_near(data_dir: Path) -> list[str]:
     """Prepared folders beside `data_dir` whose names are close to its name (a typo's likely meaning)."""
     try:
-        names = [p.name for p in data_dir.parent.iterdir() if (p / MANIFEST).is_file()]
+        names = [p.name for p in data_dir.parent.iterdir()]
     except OSError:
         return []
-    return [str(data_dir.parent / name) for name in difflib.get_close_matches(data_dir.name, names, n=2, cutoff=0.7)]
+    close = difflib.get_close_matches(data_dir.name, names, n=5, cutoff=0.7)  # then look inside those few only
+    return [str(data_dir.parent / name) for name in close if (data_dir.parent / name / MANIFEST).is_file()][:2]
 
 
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:

@@ -94,7 +94,7 @@ def reading(dataset: Any, name: str, split: str | None = None) -> None:
 
     def made(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        self.recorded = split is None or args[1] == split
+        self.recorded = split is None or kwargs.get("split", args[1] if len(args) > 1 else None) == split
 
     def getitem(self: Any, i: int) -> Any:
         if self.recorded:
