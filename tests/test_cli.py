@@ -12,13 +12,9 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
-import time
 import typing
 from dataclasses import fields
 from pathlib import Path
@@ -30,7 +26,7 @@ import yaml
 from accel_gpt.cli import COMMANDS as CLI_COMMANDS
 from accel_gpt.cli import build_parser, main, parse
 from accel_gpt.config import coerce, preset_names, presets_dir
-from tests.conftest import REPO, python_cmd, run_cmd, subprocess_env
+from tests.conftest import python_cmd, run_cmd
 
 COMMANDS = ("prepare", "train", "eval", "sample", "export", "compare", "plot")
 PRESETS = [(name, preset) for name in COMMANDS for preset in preset_names(CLI_COMMANDS[name].config)]
@@ -263,27 +259,3 @@ def test_misspelt_preset_is_one_line_naming_the_close_ones(capsys: pytest.Captur
     assert "nor a prepare preset; did you mean tinyshakespeare" in err
     err = one_line_error(capsys, ["train", "--config", "tiny-cpuu", "--help"])  # not a help with wrong defaults
     assert "did you mean tiny-cpu?" in err
-
-
-def test_ctrl_c_where_no_handler_is_is_one_line(tmp_path: Path) -> None:
-    """Ctrl-C in a command that has no stop handler (`compare` here, blocked reading a run's config from a pipe
-    that nobody writes into; start-up, eval and sample alike): one line and exit code 130, no traceback."""
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
-    os.mkfifo(run / "config.yaml")
-    proc = subprocess.Popen(
-        [*python_cmd("compare", str(run))], cwd=REPO, env=subprocess_env(), stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 120
-    while True:  # the pipe opens for writing once compare has opened it for reading: then it waits on it
-        try:
-            writer = os.open(run / "config.yaml", os.O_WRONLY | os.O_NONBLOCK)
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "compare never opened the pipe"
-            time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    os.close(writer)
-    assert proc.returncode == 130 and err.strip().splitlines() == ["interrupted (Ctrl-C)"], err

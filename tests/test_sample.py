@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import shutil
+import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -171,6 +173,22 @@ def test_an_empty_prompts_start_token_is_not_printed(checkpoint: Path, loaded) -
     (ids,) = sample_ids(model, TINY, tokenizer, "", 6, 1.0, 50, 3, "cpu", stop_at_eot=False)
     assert ids[0] == 50256 and proc.stdout == tokenizer.decode(ids[1:]) + "\n"
     assert not proc.stdout.startswith("<|endoftext|>")
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_sampling_is_one_line(checkpoint: Path) -> None:
+    """Ctrl-C where no stop handler runs (sampling here; start-up, eval and compare alike): one line and exit code
+    130, no traceback. The sample is long enough to be running whenever the signal comes (and one that came during
+    start-up would end the same way)."""
+    args = ["--max_new_tokens", "1000000", "--device", "cpu"]
+    proc = subprocess.Popen(
+        python_cmd("sample", "--checkpoint", str(checkpoint), *args), cwd=REPO, env=subprocess_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and out == "" and err.strip().splitlines() == ["interrupted (Ctrl-C)"], err
 
 
 def test_device_is_checked_before_the_model_loads() -> None:
