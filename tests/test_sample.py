@@ -182,9 +182,14 @@ def test_ctrl_c_while_sampling_is_one_line(checkpoint: Path) -> None:
     start-up would end the same way)."""
     args = ["--max_new_tokens", "1000000", "--device", "cpu"]
     proc = subprocess.Popen(
-        python_cmd("sample", "--checkpoint", str(checkpoint), *args), cwd=REPO, env=subprocess_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        python_cmd("sample", "--checkpoint", str(checkpoint), *args),
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a terminal's command takes Ctrl-C, where
+    )  # fmt: skip (a test runner started in the background has it ignored, and a child inherits that)
     time.sleep(3)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
