@@ -37,6 +37,7 @@ class Command:
     run: str  # "module:function", called with the resolved config
     help: str
     description: str
+    one_process: bool = False  # builds no Accelerator and shares no work: under a launch of several, rank 0 runs it
 
 
 COMMANDS = {
@@ -73,6 +74,7 @@ COMMANDS = {
         "generate text from a checkpoint",
         "Continue a prompt with a run dir, checkpoint dir, or transformers GPT-2 folder / hub id. "
         "The same seed gives the same text.",
+        one_process=True,
     ),
     "export": Command(
         ExportConfig,
@@ -82,6 +84,7 @@ COMMANDS = {
         "nanochat-block model, a NanoChatForCausalLM), and AutoTokenizer.from_pretrained "
         "load offline, with a model card (README.md) of how the model was trained; --push_to_hub REPO_ID then "
         "uploads it to the Hugging Face Hub (models trained with the char tokenizer cannot be exported).",
+        one_process=True,
     ),
     "compare": Command(
         CompareConfig,
@@ -90,6 +93,7 @@ COMMANDS = {
         "Print one row per run directory: the last val loss and val bits per byte (comparable across tokenizers), "
         "steps, tokens, the steps' own time, parameters, and every setting that is not the same in all of them. "
         "--plot draws their curves into one figure; --log appends them to a tab-separated experiment log.",
+        one_process=True,
     ),
     "plot": Command(
         PlotConfig,
@@ -98,12 +102,10 @@ COMMANDS = {
         "Draw train/val loss, val bits per byte, learning rate, HellaSwag accuracy and tokens/s over optimizer steps "
         "from each run's metrics.jsonl; several runs are overlaid, one colour per run, named by their directory. "
         "Needs matplotlib: pip install 'accel_gpt[plot]'.",
+        one_process=True,
     ),
 }
 CONFIG_FLAGS = {"prepare": ("--config", "--preset")}  # prepare's presets were named with --preset first
-
-
-ONE_PROCESS = ("sample", "export", "compare", "plot")  # they build no Accelerator and share no work
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         name, cfg = parse(sys.argv[1:] if argv is None else argv)  # on every rank: bad input is said once, all exit 2
         world = os.environ.get("WORLD_SIZE", "1")
         launched = int(world) if world.isdigit() else 1
-        if name in ONE_PROCESS and launched > 1:  # under `accelerate launch` of several: rank 0 alone runs it
+        if COMMANDS[name].one_process and launched > 1:
             if not is_main_rank():
                 return
             others = "the other process exits" if launched == 2 else f"the other {launched - 1} processes exit"

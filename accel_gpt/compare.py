@@ -19,8 +19,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from accel_gpt.config import CompareConfig, PlotConfig, TrainConfig
-from accel_gpt.errors import UserError
+from accel_gpt.config import CompareConfig, PlotConfig, TrainConfig, normalised_weights, split_folders
+from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.evaluate.val_loss import run_val_windows
 from accel_gpt.files import atomic_write, write_or_refuse
 from accel_gpt.memory import parameter_counts
@@ -78,13 +78,13 @@ def differing(results: list[Result]) -> list[str]:
 def val_set(settings: dict[str, Any]) -> dict[str, Any]:
     """What decides the text a run's val_loss was measured on, in one form: its folders (resolved, with their shares
     of a mixture's loss), the window length and the number of windows (an older config's eval_steps counted)."""
-    folders = [str(Path(d.strip()).expanduser().resolve()) for d in str(settings.get("data_dir", "")).split(",")]
+    given = split_folders(str(settings.get("data_dir") or ""))
+    folders = [str(Path(d).expanduser().resolve()) for d in given]
     try:
-        weights = [float(w) for w in str(settings.get("data_weights") or "").split(",") if w.strip()]
-    except ValueError:  # a config.yaml edited by hand: its text is what there is to compare
-        weights = []
-    weights = weights or [1.0] * len(folders)
-    shares = sorted(zip(folders, (round(w / sum(weights), 9) for w in weights), strict=False))
+        weights = normalised_weights(str(settings.get("data_weights") or ""), len(folders)) if folders else []
+    except ConfigError:  # a config.yaml edited by hand: its folders are what there is to compare
+        weights = [1.0] * len(folders)
+    shares = sorted(zip(folders, (round(w, 9) for w in weights), strict=True))
     return {"data_dir": shares, "seq_len": settings.get("seq_len"), "eval_windows": run_val_windows(settings)}
 
 

@@ -181,6 +181,38 @@ def did_you_mean(word: str, choices: typing.Sequence[str], prefix: str = "") -> 
     return f"; known: {', '.join(prefix + c for c in choices)}"
 
 
+def close_paths(path: str | Path, keep: typing.Callable[[Path], bool] = lambda entry: True) -> list[str]:
+    """At most two entries beside `path` whose names are close to its own (a typo's likely meaning), of those that
+    `keep` accepts (asked of the few close names only: a large or network folder is listed, not walked)."""
+    p = Path(path).expanduser()
+    try:
+        names = [q.name for q in p.parent.iterdir() if not q.name.startswith(".")] if p.parent != p else []
+    except OSError:
+        return []
+    close = difflib.get_close_matches(p.name, names, n=5, cutoff=0.7)
+    return [str(Path(path).parent / name) for name in close if keep(p.parent / name)][:2]
+
+
+def split_folders(data_dir: str) -> list[str]:
+    """The folders of a `data_dir` setting: one, or several (comma-separated) for a mixture."""
+    return [d.strip() for d in data_dir.split(",") if d.strip()]
+
+
+def normalised_weights(data_weights: str, n: int) -> list[float]:
+    """A `data_weights` setting as numbers that sum to 1, one per folder of `n` (equal when unset)."""
+    if not data_weights.strip():
+        return [1.0 / n] * n
+    try:
+        weights = [float(w) for w in data_weights.split(",")]
+    except ValueError:
+        raise ConfigError(f"data_weights={data_weights!r} must be comma-separated numbers") from None
+    if len(weights) != n:
+        raise ConfigError(f"data_weights has {len(weights)} weight(s) but data_dir names {n} folder(s)")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ConfigError(f"data_weights={data_weights!r} must all be > 0 (leave a folder out instead of 0)")
+    return [w / sum(weights) for w in weights]
+
+
 def coerce(name: str, value: Any, annotation: Any) -> Any:
     """Check one value against its annotation; strings (from the command line) are parsed."""
     optional = False
@@ -589,22 +621,11 @@ class TrainConfig(Config):
     @property
     def data_dirs(self) -> list[str]:
         """The folders of `data_dir`: one, or several for a mixture."""
-        return [d.strip() for d in self.data_dir.split(",") if d.strip()]
+        return split_folders(self.data_dir)
 
     def source_weights(self) -> list[float]:
         """`data_weights` as numbers normalised to sum 1, one per folder of `data_dir` (equal when unset)."""
-        n = len(self.data_dirs)
-        if not self.data_weights.strip():
-            return [1.0 / n] * n
-        try:
-            weights = [float(w) for w in self.data_weights.split(",")]
-        except ValueError:
-            raise ConfigError(f"data_weights={self.data_weights!r} must be comma-separated numbers") from None
-        if len(weights) != n:
-            raise ConfigError(f"data_weights has {len(weights)} weight(s) but data_dir names {n} folder(s)")
-        if not all(math.isfinite(w) and w > 0 for w in weights):
-            raise ConfigError(f"data_weights={self.data_weights!r} must all be > 0 (leave a folder out instead of 0)")
-        return [w / sum(weights) for w in weights]
+        return normalised_weights(self.data_weights, len(self.data_dirs))
 
     def budget_seconds(self) -> float | None:
         from accel_gpt.budget import parse_duration

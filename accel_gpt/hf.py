@@ -14,7 +14,6 @@ so nothing is negated).
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
 import logging
 import pickle
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from accel_gpt.bpe import TOKENIZER_FILE
+from accel_gpt.config import close_paths
 from accel_gpt.errors import UserError
 from accel_gpt.model import GPT, RMS_EPS, GPTConfig
 from accel_gpt.tokenizer import GPT2_EOT, GPT2_VOCAB, Tokenizer
@@ -494,12 +494,8 @@ def _offline() -> bool:
 
 def _close_paths(path: str) -> str:
     """'; did you mean runs/tiny-cpu?' for a near miss among the entries of the path's (existing) parent."""
-    p = Path(path).expanduser()
-    if not p.parent.is_dir() or p.parent == p:
-        return ""
-    names = [q.name for q in p.parent.iterdir() if not q.name.startswith(".")]
-    close = difflib.get_close_matches(p.name, names, n=2, cutoff=0.7)
-    return f"; did you mean {' or '.join(str(Path(path).parent / c) for c in close)}?" if close else ""
+    close = close_paths(path)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 def _first_line(e: Exception) -> str:

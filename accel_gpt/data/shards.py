@@ -36,7 +36,6 @@ sha256 as it writes the shard.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import logging
@@ -47,7 +46,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from accel_gpt.config import PrepareConfig, preset_names
+from accel_gpt.config import PrepareConfig, close_paths, preset_names
 from accel_gpt.errors import DataError, UserError
 from accel_gpt.files import atomic_write_json, publish, temp_sibling
 from accel_gpt.tokenizer import Tokenizer, dtype_for_vocab
@@ -161,16 +160,6 @@ def prepare_hint(data_dir: Path) -> str:
     return said + (f", a new folder since {data_dir} holds other files" if taken else "")
 
 
-def prepared_near(data_dir: Path) -> list[str]:
-    """Prepared folders beside `data_dir` whose names are close to its name (a typo's likely meaning)."""
-    try:
-        names = [p.name for p in data_dir.parent.iterdir()]
-    except OSError:
-        return []
-    close = difflib.get_close_matches(data_dir.name, names, n=5, cutoff=0.7)  # then look inside those few only
-    return [str(data_dir.parent / name) for name in close if (data_dir.parent / name / MANIFEST).is_file()][:2]
-
-
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     """The manifest of a prepared folder, checked for the fields and types every reader relies on."""
     if not str(data_dir):
@@ -179,7 +168,7 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     if data_dir.is_file():
         raise DataError(f"data_dir '{data_dir}' is a file; give the folder `run.py prepare` wrote")
     if not data_dir.is_dir():
-        close, hint = prepared_near(data_dir), prepare_hint(data_dir)
+        close, hint = close_paths(data_dir, keep=lambda entry: (entry / MANIFEST).is_file()), prepare_hint(data_dir)
         hint = f"did you mean {' or '.join(close)}? If not, {hint}" if close else hint
         raise DataError(f"data_dir '{data_dir}' does not exist; {hint}")
     path = data_dir / MANIFEST
