@@ -199,11 +199,11 @@ class MetricsLogger:
         bad = next((r for r in applied if r["loss"] > uniform + 1), None)
         if bad:
             self.warned_above_uniform = True
-            rate = "--muon_lr and --learning_rate" if self.optimizer == "muon" else "--learning_rate"
             clipping = "; --grad_clip 1 bounds each update" if not self.grad_clip else ""
             logger.warning(
                 f"step {bad['step']}: loss {bad['loss']:.4g} is above a uniform guess's (ln {self.vocab_size:,} = "
-                f"{uniform:.4g}): the updates are breaking the weights; train again with a lower {rate}{clipping}"
+                f"{uniform:.4g}): the updates are breaking the weights; train again with {lower_rate(self.optimizer)}"
+                f"{clipping}"
             )
 
     def _stop_if_diverged(self, rows: list[dict[str, Any]]) -> None:
@@ -299,9 +299,14 @@ class MetricsLogger:
         )
 
 
+def lower_rate(optimizer: str) -> str:
+    """The remedy for updates too large, in the rates `optimizer` has."""
+    return "a lower --muon_lr or --learning_rate" if optimizer == "muon" else "a lower --learning_rate"
+
+
 def divergence_advice(out_dir: str | Path, bad_step: int, optimizer: str) -> str:
     """Where to go on from a run whose step `bad_step` met broken weights, and with what."""
-    lower = "a lower --muon_lr or --learning_rate" if optimizer == "muon" else "a lower --learning_rate"
+    lower = lower_rate(optimizer)
     good = checkpoint_before(out_dir, bad_step)
     if good is not None:
         return f"the newest checkpoint before it, {good}, gave finite values: resume from it by path with {lower}"
