@@ -234,7 +234,10 @@ def _add_fields(p: argparse.ArgumentParser, cls: type[Config], config_flags: tup
         if kind is bool:
             kwargs.update(nargs="?", const="true", metavar="true|false")
         elif typing.get_origin(kind) is typing.Literal:
-            kwargs.update(metavar="|".join(c for c in typing.get_args(kind) if c))
+            words = [str(c).lower() if isinstance(c, bool) else c for c in typing.get_args(kind)]
+            kwargs.update(metavar="|".join(w for w in words if w))
+            if "true" in words:  # a switch with more states (compile: auto): a bare --compile still means true
+                kwargs.update(nargs="?", const="true")
         else:
             kwargs.update(metavar=_metavar(kind))
         p.add_argument(f"--{f.name}", required=required, **kwargs)

@@ -223,8 +223,11 @@ def coerce(name: str, value: Any, annotation: Any) -> Any:
         return None
     if typing.get_origin(annotation) is Literal:
         choices = typing.get_args(annotation)
-        if value not in choices:
-            raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}{_close(value, choices)}")
+        if True in choices and isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"  # a switch with more states than on and off (compile: auto)
+        if not any(type(value) is type(c) and value == c for c in choices):  # 1 is not True here
+            words = [str(c).lower() if isinstance(c, bool) else c for c in choices]
+            raise ConfigError(f"{name}={value!r} is not one of {', '.join(words)}{_close(value, words)}")
         return value
     if typing.get_origin(annotation) is list:
         if isinstance(value, str):
@@ -325,6 +328,8 @@ MUON_FIELDS += ("muon_momentum_start", "muon_ns_steps", "muon_ns_dtype")
 # torch.compile's modes; the CUDA-graph ones replay whole steps, which pays off where launches bound a step.
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 LRSchedule = Literal["cosine", "wsd", "linear", "constant"]
+# The warm-up where a config sets none and no time budget makes it a fraction: GPT-2's (375M tokens at 2**19 a step).
+WARMUP_STEPS = 715
 # Applied steps the spike guard must have seen before it judges one: fewer make too rough a mean and deviation.
 SPIKE_MIN_HISTORY = 16
 AttentionBackend = Literal["auto", "flash", "cudnn", "efficient", "math"]
@@ -392,7 +397,14 @@ class TrainConfig(Config):
     min_lr_ratio: float = option(
         0.1, "the floor: the schedule reaches min_lr_ratio * learning_rate at its horizon", bounds="[0, 1]"
     )
-    warmup_steps: int = option(715, "steps of linear warm-up from 0", bounds="[0, 1e12]")
+    warmup_steps: int | None = option(
+        None,
+        f"steps of linear warm-up from 0 (unset: {WARMUP_STEPS}; under a time_budget, warmup_fraction of its horizon)",
+        bounds="[0, 1e12]",
+    )
+    warmup_fraction: float = option(
+        0.05, "time_budget with warmup_steps unset: the warm-up's share of the budget's expected steps", bounds="[0, 1)"
+    )
     lr_schedule: LRSchedule = option("cosine", "cosine | wsd (stable, then linear decay) | linear | constant")
     schedule_steps: int = option(
         0, "the schedule's horizon (0 = max_steps); past it the rate stays at the floor", bounds="[0, 1e12]"
@@ -481,14 +493,18 @@ class TrainConfig(Config):
     overwrite: bool = option(False, "start a new run in an out_dir that holds another run's files (they are replaced)")
     # runtime
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = option(
-        "auto", "auto: the launch's (accelerate config or flag; none under plain torchrun) | no | bf16 | fp16: this one"
+        "auto",
+        "no | bf16 | fp16: this one; auto: the launch's (accelerate config or flag), else what this device and model "
+        "do fastest (bf16 on bf16 matrix units, fp32 elsewhere; said at start)",
     )
     dist_timeout: int = option(
         0,
         "seconds a collective waits for every process before the run fails (0: torch's, 10 min NCCL, 30 Gloo)",
         bounds="[0, 31536000]",
     )
-    compile: bool = option(False, "torch.compile the model")
+    compile: Literal["auto", True, False] = option(
+        "auto", "torch.compile the model: true | false | auto (where it pays back within the run; said at start)"
+    )
     compile_mode: CompileMode = option("default", "torch.compile mode")
     activation_checkpointing: bool = option(False, "recompute each block in backward: less memory, ~30% more compute")
     loss_chunk: int = option(
@@ -515,6 +531,8 @@ class TrainConfig(Config):
         if self.vocab_size is None:
             self.vocab_size = padded_vocab(self.data_dirs[0])
         self.budget_seconds()  # a duration, positive and finite
+        if self.warmup_steps is None and not self.time_budget:
+            self.warmup_steps = WARMUP_STEPS  # a budget's is warmup_fraction of its horizon: `optim.warmup_length`
         if len(set(self.data_dirs)) != len(self.data_dirs):
             raise ConfigError(f"data_dir={self.data_dir!r} names a folder twice; weigh it with data_weights instead")
         self.source_weights()  # one positive weight per data_dir folder

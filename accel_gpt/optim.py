@@ -191,10 +191,19 @@ def schedule_horizon(cfg: TrainConfig) -> int:
     return cfg.schedule_steps or cfg.max_steps
 
 
+def warmup_length(cfg: TrainConfig, horizon: float | None = None) -> float:
+    """Steps of warm-up: `warmup_steps`; where it is unset (a time budget), `warmup_fraction` of the horizon, so
+    that a budgeted run reaches its peak early and decays to its floor however fast the machine is. Until the first
+    step is timed the horizon is the step cap, so those first updates take the smallest rates."""
+    if cfg.warmup_steps is not None:
+        return cfg.warmup_steps
+    return cfg.warmup_fraction * min(schedule_horizon(cfg), horizon or math.inf)
+
+
 def lr_multiplier(step: int, cfg: TrainConfig, horizon: float | None = None) -> float:
     """The learning rate of the update of step `step` (0-based: optimizer steps already taken), over the peak.
 
-    Linear warm-up over `warmup_steps` (the first update uses 1/warmup_steps), then by `lr_schedule`, over the
+    Linear warm-up over `warmup_length` steps (the first update uses 1/warmup), then by `lr_schedule`, over the
     horizon H = `schedule_horizon(cfg)` with floor m = `min_lr_ratio`:
 
     - cosine: from 1 at the end of warm-up down to m at H (half a cosine period);
@@ -210,16 +219,17 @@ def lr_multiplier(step: int, cfg: TrainConfig, horizon: float | None = None) -> 
     (decay length), so the first decayed update is at the peak and the value at H is m exactly, as the cosine always
     was.
     """
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+    warmup = warmup_length(cfg, horizon)
+    if step < warmup:
+        return (step + 1) / warmup
     if cfg.lr_schedule == "constant":
         return 1.0
     horizon, floor = min(schedule_horizon(cfg), horizon or math.inf), cfg.min_lr_ratio
     if step >= horizon:
         return floor
-    decay_start = cfg.warmup_steps
+    decay_start = warmup
     if cfg.lr_schedule == "wsd":
-        decay_start = max(cfg.warmup_steps, horizon - wsd_decay_steps(cfg, horizon))
+        decay_start = max(warmup, horizon - wsd_decay_steps(cfg, horizon))
         if step < decay_start:
             return 1.0
     progress = (step - decay_start) / max(1, horizon - decay_start)
@@ -282,7 +292,7 @@ class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
     def __init__(
         self, optimizer: torch.optim.Optimizer, cfg: TrainConfig, horizon: Callable[[], float | None] | None = None
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.horizon = cfg, horizon
         super().__init__(optimizer, lambda step: lr_multiplier(step, cfg, horizon() if horizon else None))
 
     def step(self, epoch: int | None = None) -> None:
@@ -302,8 +312,12 @@ class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
             group["initial_lr"], group["lr"] = base, lr
         self._set_momentum()
 
+    def warmup(self) -> float:
+        """The warm-up's length in steps, as the schedule now sees it (a budget's moves with its horizon)."""
+        return warmup_length(self.cfg, self.horizon() if self.horizon else None)
+
     def state_dict(self) -> dict:
-        return {k: v for k, v in super().state_dict().items() if k != "cfg"}  # the config is this run's, not saved
+        return {k: v for k, v in super().state_dict().items() if k not in ("cfg", "horizon")}  # this run's, not saved
 
     def _set_momentum(self) -> None:
         for group in self.optimizer.param_groups:

@@ -133,3 +133,129 @@ def check_mixed_precision(precision: str, capability: Capability) -> str | None:
         f"mixed_precision bf16 on a CPU without bf16 matrix units ({capability.name}): its matmuls are emulated "
         "there, about 10x slower than fp32 (bench/RESULTS.md); train with --mixed_precision no"
     )
+
+
+# ------------------------------------------------------------------------------------ mixed precision and compile
+
+# On a CPU with bf16 units, bf16 autocast pays from this width on; narrower models train in fp32. Measured on an
+# AVX512-BF16 EPYC (bench/RESULTS.md): nanoGPT's CPU recipe, 128 wide, took 0.81x its fp32 time per micro-step, and
+# nanochat's block 6 x 384 trained at 2.4x fp32's tokens/s; under 128 wide the matmuls are too small for the units
+# (a 64x64 Newton-Schulz ran 2.4x slower in bf16 than in fp32), so fp32 keeps the fp32 numbers there.
+CPU_BF16_MIN_WIDTH = 128
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A runtime setting as the run resolved it, and why (the start-up line)."""
+
+    value: str | bool
+    why: str
+
+
+def choose_mixed_precision(
+    setting: str, launched: str | None, capability: Capability, n_embd: int, resumed: str | None = None
+) -> Choice:
+    """`mixed_precision`: a setting other than auto (a flag or YAML) is taken as given; then the launch's (an
+    accelerate config or `accelerate launch --mixed_precision`, in ACCELERATE_MIXED_PRECISION); then, for a resume,
+    what the checkpoint trained in, where this device still does it fast; else bf16 where the device has bf16 matrix
+    units (on a CPU from CPU_BF16_MIN_WIDTH wide on), fp32 elsewhere."""
+    if setting != "auto":
+        return Choice(setting, "mixed_precision setting")
+    if launched:
+        return Choice(launched, "the launch's")
+    fast = _fast_precision(capability, n_embd)
+    if resumed in ("no", "bf16", "fp16"):
+        if resumed == "no" or capability.bf16_units or resumed == "fp16" and capability.device == "cuda":
+            return Choice(resumed, "auto: as the checkpoint trained")
+        return Choice(fast.value, f"auto: the checkpoint trained in {resumed}, which {capability.name} emulates")
+    return fast
+
+
+def _fast_precision(capability: Capability, n_embd: int) -> Choice:
+    if not capability.bf16_units:
+        return Choice("no", f"auto: {capability.name} has no bf16 matrix units")
+    if capability.device == "cpu" and n_embd < CPU_BF16_MIN_WIDTH:
+        return Choice("no", f"auto: {n_embd} wide, under the {CPU_BF16_MIN_WIDTH} where bf16 pays on a CPU")
+    return Choice("bf16", "auto: bf16 matrix units")
+
+
+@dataclass(frozen=True)
+class CompileCost:
+    """What `torch.compile` costs and saves on one kind of device, measured (bench/RESULTS.md, "Compile")."""
+
+    seconds: float  # the first step's extra time, a model of one layer, with an empty compile cache
+    seconds_per_layer: float  # and for each more block
+    gain: float  # the share of a step's time it saves afterwards
+
+
+# Keyed by (device type, mixed precision). CPU: 2-vCPU EPYCs, torch 2.13, an empty compile cache (a run compiled
+# before costs a fifth): 21-29 s at 2 layers, 36 s at 6, 49 s at 12. In fp32 it saved 2-3.5% of a 6 x 384 step on
+# AVX2 and cost 36% on a 2 x 128 one, so auto leaves fp32 CPU runs eager; under bf16 autocast it saved 17% of the
+# 6 x 384 step on AVX512-BF16 (bench/RESULTS.md, "Compile"). CUDA: not measured here yet; nanoGPT's README reports
+# 250 -> 135 ms per GPT-2 124M step on an A100, and the GPU plan measures it.
+COMPILE_COSTS = {
+    ("cpu", "no"): CompileCost(24.0, 2.2, 0.0),
+    ("cpu", "bf16"): CompileCost(24.0, 2.2, 0.17),
+    ("cuda", "no"): CompileCost(30.0, 3.0, 0.30),
+    ("cuda", "bf16"): CompileCost(30.0, 3.0, 0.30),
+    ("cuda", "fp16"): CompileCost(30.0, 3.0, 0.30),
+}
+# FLOP/s one process achieves in a training step, to estimate a run's length before it starts: per CPU thread, or
+# per GPU. CPU: nanochat's block 6 x 384 at 2 threads (bench/RESULTS.md); GPU: a third of an H100's bf16 peak.
+STEP_FLOPS = {
+    ("cpu", False, "no"): 40e9,  # AVX2 EPYC, fp32: 85 GFLOP/s on 2 threads
+    ("cpu", True, "no"): 85e9,  # AVX512-BF16 EPYC, fp32: 174 GFLOP/s
+    ("cpu", True, "bf16"): 200e9,  # AVX512-BF16 EPYC, bf16 autocast: 416 GFLOP/s
+    ("cuda", True, "bf16"): 330e12,
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a run has left to do, as far as it is known before it starts."""
+
+    steps: int  # optimizer steps left
+    step_flops: float  # training FLOPs of one optimizer step, on one process
+    n_layer: int
+    threads: int = 1  # CPU threads of one process
+    budget_seconds: float | None = None  # a time budget's seconds left
+
+    def seconds(self, capability: Capability, precision: str) -> float:
+        """The steps' expected seconds: the budget where it ends them first, else from the FLOPs."""
+        key = (capability.device, capability.bf16_units, precision)
+        rate = STEP_FLOPS.get(key) or STEP_FLOPS.get((capability.device, False, "no"), 40e9)
+        if capability.device == "cpu":
+            rate *= self.threads
+        by_steps = self.steps * self.step_flops / rate
+        return min(by_steps, self.budget_seconds) if self.budget_seconds else by_steps
+
+
+def choose_compile(
+    setting: str | bool, capability: Capability, precision: str, work: Workload, launch_compiles: bool = False
+) -> Choice:
+    """`compile`: true or false as given; auto compiles where the time it saves over the run's expected length is
+    at least twice its own cost, so a misjudged length still leaves it ahead (never where the launch compiles the
+    model itself: an accelerate config's dynamo_backend)."""
+    if setting != "auto":
+        return Choice(bool(setting), "compile setting")
+    if launch_compiles:
+        return Choice(False, "auto: the launch compiles the model (dynamo_backend)")
+    cost = COMPILE_COSTS.get((capability.device, precision))
+    dtype = "fp32" if precision == "no" else precision
+    if cost is None:
+        return Choice(False, f"auto: not measured on {capability.device} in {dtype}")
+    if cost.gain <= 0:
+        return Choice(False, f"auto: it gains nothing measurable on a {capability.device.upper()} in {dtype}")
+    seconds = work.seconds(capability, precision)
+    spend = cost.seconds + cost.seconds_per_layer * (work.n_layer - 1)
+    saves = cost.gain * seconds
+    length = f"about {_duration(seconds)} of steps"
+    if saves >= 2 * spend:
+        return Choice(True, f"auto: {length} saves {_duration(saves)} for {_duration(spend)} of compiling")
+    return Choice(False, f"auto: {length} would save {_duration(saves)}, under twice its {_duration(spend)}")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"

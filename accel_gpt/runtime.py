@@ -29,7 +29,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 
 from accel_gpt.errors import ConfigError
-from accel_gpt.precision import check_mixed_precision, detect
+from accel_gpt.precision import Capability, check_mixed_precision, detect
 from accel_gpt.workarounds import check_claims_can_hold, check_fsdp_can_run, check_group, cpu_only
 
 
@@ -37,9 +37,11 @@ def make_accelerator(
     accumulation: Callable[[int], int] | None = None,
     keep_memory: bool = False,
     timeout: timedelta | None = None,
+    precision: Callable[[Capability], str] | None = None,
     **kwargs: Any,
 ) -> Accelerator:
-    """An Accelerator on the launch's devices; `accumulation(world_size)` gives the micro-steps per optimizer step.
+    """An Accelerator on the launch's devices; `accumulation(world_size)` gives the micro-steps per optimizer step,
+    and `precision(capability)` the mixed precision, once the device it runs on is known.
 
     Raises if the group is smaller than WORLD_SIZE. The training stream is endless, so gradients sync on
     the accumulation count alone, never at "the end of the dataloader". `timeout`: how long a collective waits for
@@ -48,9 +50,7 @@ def make_accelerator(
     """
     cpu = cpu_only()
     check_fsdp_can_run(cpu)
-    precision = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    check_claims_can_hold(cpu, precision)
-    fsdp = fsdp_plugin(precision)
+    check_claims_can_hold(cpu, kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     if cpu and keep_memory:  # training's fixed shapes reuse the kept buffers; eval's varying ones fragment them
         keep_freed_memory()
     launch = ElasticLaunch.from_env()
@@ -60,6 +60,9 @@ def make_accelerator(
     state = PartialState(cpu=cpu, **group)  # Accelerate hands `group` to init_process_group
     check_group(state)
     release_group_at_exit()
+    if precision is not None:
+        kwargs["mixed_precision"] = precision(detect(state.device))
+    fsdp = fsdp_plugin(kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     steps = accumulation(state.num_processes) if accumulation else 1
     plugin = GradientAccumulationPlugin(num_steps=steps, sync_with_dataloader=False)
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_plugin=plugin, fsdp_plugin=fsdp, **kwargs)

@@ -15,6 +15,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,13 +112,24 @@ class MetricsLogger:
     """Steps since the last host sync, written out as one row per step when the window is collected."""
 
     def __init__(
-        self, cfg: TrainConfig, accelerator: Accelerator, flops_per_token: int, step: int, vocab_size: int = 0
+        self,
+        cfg: TrainConfig,
+        accelerator: Accelerator,
+        flops_per_token: int,
+        step: int,
+        vocab_size: int = 0,
+        warmup: Callable[[], float] | None = None,
+        horizon: Callable[[], float | None] | None = None,
     ) -> None:
-        """`vocab_size`: the tokenizer's (the model's rows past it are padding), for `_warn_if_above_uniform`."""
+        """`vocab_size`: the tokenizer's (the model's rows past it are padding), for `_warn_if_above_uniform`, which
+        also needs the warm-up's length (`warmup`: a budget's follows its horizon). `horizon`: a time budget's
+        expected last step, the progress bar's total."""
         self.accelerator = accelerator
         self.tokens_per_step = cfg.total_batch_size
         self.optimizer = cfg.optimizer  # the rates a divergence message names
-        self.vocab_size, self.warmup_steps, self.grad_clip = vocab_size, cfg.warmup_steps, cfg.grad_clip
+        self.vocab_size, self.grad_clip = vocab_size, cfg.grad_clip
+        self.warmup = warmup or (lambda: cfg.warmup_steps or 0)
+        self.horizon, self.max_steps = horizon, cfg.max_steps
         self.warned_above_uniform = False
         self.log_every = cfg.log_every
         self.flops_per_token = flops_per_token
@@ -126,9 +138,14 @@ class MetricsLogger:
         self.file = MetricsFile(self.out_dir / METRICS, accelerator.is_main_process)
         self.file.check()  # on every rank: all see the one out_dir
         self.file.truncate_after(step)  # rows past a resumed step are written again (an attempt may have logged them)
-        self.progress = tqdm(
-            total=cfg.max_steps, initial=step, unit="step", disable=not accelerator.is_main_process, dynamic_ncols=True
+        self.progress = tqdm(  # a budget's total comes with its horizon (none before the first timed step)
+            total=None if horizon else cfg.max_steps,
+            initial=step,
+            unit="step",
+            disable=not accelerator.is_main_process,
+            dynamic_ncols=True,
         )
+        self._follow_horizon(step)
         self.rows: list[dict[str, Any]] = []
         self.last_row: dict[str, Any] = {}
         self.skipped = self._skipped_before()  # steps the spike guard skipped, shown in the bar and the summary
@@ -195,7 +212,8 @@ class MetricsLogger:
         if self.warned_above_uniform or not self.vocab_size:
             return
         uniform = math.log(self.vocab_size)
-        applied = [r for r in rows if r["step"] > self.warmup_steps and not r.get("skipped")]  # the guard's are not
+        warmup = self.warmup()
+        applied = [r for r in rows if r["step"] > warmup and not r.get("skipped")]  # the guard's are not
         bad = next((r for r in applied if r["loss"] > uniform + 1), None)
         if bad:
             self.warned_above_uniform = True
@@ -271,8 +289,16 @@ class MetricsLogger:
         if self.skipped:
             postfix["skipped"] = str(self.skipped)
         self.progress.set_postfix(postfix, refresh=False)
+        self._follow_horizon(last["step"] + 1)
         self.progress.update(len(rows))  # after the postfix: the bar shows this window's values
         self.restart_clock()
+
+    def _follow_horizon(self, at_least: int) -> None:
+        """Under a time budget the bar's total is the step the budget is expected to end at (its ETA then follows the
+        budget, not max_steps), at least `at_least` while the run goes on."""
+        expected = self.horizon() if self.horizon else None
+        if expected is not None:
+            self.progress.total = min(self.max_steps, max(at_least, math.ceil(expected)))
 
     def restart_clock(self) -> None:
         """Time spent outside training steps (evaluation, saving) stays out of the next window's throughput."""

@@ -40,6 +40,7 @@ from accel_gpt.checkpoint import (
     data_identity,
     tokenizer_mismatch,
 )
+from accel_gpt.choices import RunChoices, apply_threads, choose_compiling, choose_precision, resumed_config
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.data import shards
 from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
@@ -49,7 +50,7 @@ from accel_gpt.files import tensor_bytes, write_failure
 from accel_gpt.memory import MemoryBudget, budget
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
-from accel_gpt.precision import Capability, detect, newton_schulz_precision
+from accel_gpt.precision import Capability, Choice, detect, newton_schulz_precision
 from accel_gpt.rundir import RunDir, same_on_every_rank
 from accel_gpt.runtime import StopSignal, make_accelerator, use_attention_backend
 from accel_gpt.shared_storage import check_shared_out_dir
@@ -72,9 +73,10 @@ logger = get_logger(__name__)
 
 def train(cfg: TrainConfig) -> None:
     run_dir = RunDir(cfg)  # checks out_dir on every rank; nothing is written before run_dir.start
-    accelerator = build_accelerator(cfg)
+    resumed = resumed_config(cfg)  # a resume keeps what its checkpoint chose where the settings leave it to auto
+    accelerator, precision = build_accelerator(cfg, resumed)
     check_shared_out_dir(cfg.out_dir, accelerator)  # every process must see the one folder that checkpoints go to
-    run = build(cfg, accelerator)
+    run = build(cfg, accelerator, RunChoices(precision), resumed)
     state = TrainState(config=cfg.to_dict(), data=run.data, spike=run.guard, num_processes=accelerator.num_processes)
     state.budget = run.budget
     checkpointer = Checkpointer(cfg, accelerator, run.card, state, run.model, run.optimizer)
@@ -83,7 +85,9 @@ def train(cfg: TrainConfig) -> None:
     evaluator = Evaluator(cfg, accelerator, run.model, run.card, run.splits)
     with run_dir.start(accelerator), StopSignal(accelerator) as stop:  # the lock, held until the run ends
         checkpointer.retire_later_line()  # resumed by path: the old line's later checkpoints are moved aside
-        log = MetricsLogger(cfg, accelerator, run.flops_per_token, state.step, run.card.tokenizer.vocab_size)
+        horizon = run.budget.horizon if run.budget.on else None  # the bar's total and ETA follow a budget
+        schedule, vocab = run.scheduler.scheduler, run.card.tokenizer.vocab_size
+        log = MetricsLogger(cfg, accelerator, run.flops_per_token, state.step, vocab, schedule.warmup, horizon)
         batches = run.batches(state.data_position)  # the stream position follows from the step
         logger.info(describe(cfg, accelerator, run))
         while state.step < cfg.max_steps and not run.budget.done:
@@ -171,6 +175,7 @@ class Run:
     guard: SpikeGuard | None = None  # the loss-spike guard, when on
     capability: Capability | None = None  # the device's class: what it computes fast
     budget: TimeBudget = field(default_factory=lambda: TimeBudget(None, torch.device("cpu"), 1))  # --time_budget
+    choices: RunChoices | None = None  # precision, compile and threads, as resolved, with why
 
     def __post_init__(self) -> None:
         # The prepared model's parameters, listed once: walking the modules for them at every step's clip costs more
@@ -183,13 +188,20 @@ class Run:
         return iter(self.train_dl)
 
 
-def build_accelerator(cfg: TrainConfig) -> Accelerator:
-    """The run's Accelerator. `mixed_precision` other than auto replaces the launch's, so that a launcher without an
-    Accelerate config (plain torchrun, SLURM's srun) can train in bf16."""
-    precision = {} if cfg.mixed_precision == "auto" else {"mixed_precision": cfg.mixed_precision}
+def build_accelerator(cfg: TrainConfig, resumed: dict[str, Any]) -> tuple[Accelerator, Choice]:
+    """The run's Accelerator, and its mixed precision with the reason. A `mixed_precision` other than auto replaces
+    the launch's, so that a launcher without an Accelerate config (plain torchrun, SLURM's srun) can train in bf16;
+    auto takes the launch's, else what this device does fast (`choices.choose_precision`)."""
+    given = cfg.mixed_precision
+    chosen: list[Choice] = []
+
+    def precision(capability: Capability) -> str:
+        chosen.append(choose_precision(cfg, capability, resumed))
+        return cfg.mixed_precision
+
     accelerator = make_accelerator(
         cfg.grad_accum_steps,
-        **precision,
+        precision=precision,
         keep_memory=True,
         timeout=timedelta(seconds=cfg.dist_timeout) if cfg.dist_timeout else None,
         log_with=resolve_trackers(cfg.log_with),
@@ -201,11 +213,11 @@ def build_accelerator(cfg: TrainConfig) -> Accelerator:
         kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
     )
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    if precision and launched not in (None, cfg.mixed_precision):
+    if given != "auto" and launched not in (None, cfg.mixed_precision):
         logger.warning(f"mixed_precision {cfg.mixed_precision} (train setting) replaces the launch's {launched}")
     use_attention_backend(cfg.attention_backend, accelerator.device)
     show_logs_above_progress_bar()
-    return accelerator
+    return accelerator, chosen[0]
 
 
 def build_model(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
@@ -249,8 +261,11 @@ def load_init_from(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
     return model
 
 
-def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
+def build(cfg: TrainConfig, accelerator: Accelerator, choices: RunChoices, resumed: dict[str, Any]) -> Run:
     """Data (checked against the model), model, optimizer and schedule, all through `accelerator.prepare`."""
+    choices.threads = apply_threads(accelerator.device, accelerator.is_main_process)
+    capability = detect(accelerator.device)
+    choices.compile = choose_compiling(cfg, capability, accelerator.num_processes, resumed, choices.threads)
     memory = budget(cfg, accelerator)  # refuses a run that cannot fit, before anything large is allocated
     for note in cfg.notes():
         logger.warning(note)
@@ -285,13 +300,12 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
             "matrix, not the matrix; use a DDP launch (multi_gpu) or --optimizer adamw"
         )
     set_seed(cfg.seed, device_specific=True)  # from here each rank draws its own dropout masks
-    capability = detect(accelerator.device)
     newton_schulz = newton_schulz_precision(cfg.muon_ns_dtype, capability) if cfg.optimizer == "muon" else None
     if newton_schulz is not None and newton_schulz.warning:
         logger.warning(newton_schulz.warning)
     optimizer = make_optimizer(model, cfg, accelerator.device.type, newton_schulz)
     clock = TimeBudget(
-        cfg.budget_seconds(), accelerator.device, accelerator.num_processes, cfg.warmup_steps, cfg.max_steps
+        cfg.budget_seconds(), accelerator.device, accelerator.num_processes, cfg.warmup_steps or 0, cfg.max_steps
     )
     scheduler = make_scheduler(optimizer, cfg, clock.horizon)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
@@ -304,7 +318,7 @@ def build(cfg: TrainConfig, accelerator: Accelerator) -> Run:
         check_can_skip(optimizer, accelerator.scaler)
         guard = SpikeGuard(cfg, accelerator.device)
     parts = (model, optimizer, scheduler, train_dl, sampler, card, splits, flops_per_token, data, memory)
-    return Run(*parts, guard=guard, capability=capability, budget=clock)
+    return Run(*parts, guard=guard, capability=capability, budget=clock, choices=choices)
 
 
 def check_token_ids(data_dirs: list[str], manifests: list[dict[str, Any]], vocab_size: int) -> None:
@@ -334,8 +348,8 @@ def describe(cfg: TrainConfig, accelerator: Accelerator, run: Run) -> str:
         optimizer += f", dropout {cfg.dropout}"
     return (
         f"{n_params / 1e6:.2f}M parameters | {accelerator.num_processes} process(es) on {accelerator.device.type} "
-        f"({accelerator.distributed_type}, mixed precision {accelerator.mixed_precision}) | "
-        f"{accelerator.device.type} {run.capability.units} | "
+        f"({accelerator.distributed_type}) | {accelerator.device.type} {run.capability.units} | "
+        f"{run.choices.describe()} | "
         f"global batch {cfg.total_batch_size:,} tokens = {accelerator.num_processes} x "
         f"{accelerator.gradient_accumulation_steps} micro-steps x {cfg.micro_batch_size} x {cfg.seq_len} | "
         f"{optimizer} | {run.memory.line()}"

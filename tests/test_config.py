@@ -41,14 +41,29 @@ def test_yaml_then_flags(tmp_path: Path) -> None:
     assert loaded == cfg
 
 
-BOOLEAN_FLAGS = [([], False), (["--compile"], True), (["--compile", "true"], True), (["--compile", "false"], False)]
-BOOLEAN_FLAGS += [(["--compile=true"], True), (["--compile=false"], False)]
+BOOLEAN_FLAGS = [([], False), (["--keep_best"], True), (["--keep_best", "true"], True)]
+BOOLEAN_FLAGS += [(["--keep_best", "false"], False), (["--keep_best=true"], True), (["--keep_best=false"], False)]
+# compile is a switch with a third state, auto (the default): a bare flag and true/false still work as for a boolean
+SWITCH_FLAGS = [([], "auto"), (["--compile"], True), (["--compile", "true"], True), (["--compile", "false"], False)]
+SWITCH_FLAGS += [(["--compile=TRUE"], True), (["--compile=false"], False), (["--compile", "auto"], "auto")]
 
 
 @pytest.mark.parametrize(("flags", "expected"), BOOLEAN_FLAGS)
 def test_booleans_take_a_bare_flag_or_true_false(flags: list[str], expected: bool) -> None:
+    _, cfg = parse(["train", "--data_dir", "d", "--eval_every", "1", *flags])
+    assert cfg.keep_best is expected
+
+
+@pytest.mark.parametrize(("flags", "expected"), SWITCH_FLAGS)
+def test_compile_takes_auto_as_well_as_a_boolean(flags: list[str], expected: bool | str) -> None:
     _, cfg = parse(["train", "--data_dir", "d", *flags])
-    assert cfg.compile is expected
+    assert cfg.compile is expected if isinstance(expected, bool) else cfg.compile == expected
+
+
+@pytest.mark.parametrize("value", ["1", "yes", "on", 1, 0, "Auto "])
+def test_compile_refuses_what_is_not_auto_true_or_false(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"^compile=.* is not one of auto, true, false"):
+        TrainConfig(data_dir="d", compile=value)
 
 
 def test_a_bare_boolean_overrides_the_preset() -> None:
@@ -175,7 +190,7 @@ def test_yaml_must_be_a_mapping(tmp_path: Path) -> None:
 def test_types_are_checked() -> None:
     with pytest.raises(ConfigError, match="n_layer='two' must be an integer"):
         TrainConfig.load("", {"data_dir": "d", "n_layer": "two"})
-    with pytest.raises(ConfigError, match="compile='yes' must be true or false"):
+    with pytest.raises(ConfigError, match="compile='yes' is not one of auto, true, false"):
         TrainConfig.load("", {"data_dir": "d", "compile": "yes"})
     with pytest.raises(ConfigError, match="compile_mode='fast' is not one of default, reduce-overhead"):
         TrainConfig.load("", {"data_dir": "d", "compile_mode": "fast"})
