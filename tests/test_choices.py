@@ -158,7 +158,11 @@ def fake_root(tmp_path: Path, cgroup: str, files: dict[str, str]) -> Path:
         ("0::/job\n", {"job/cpu.max": "250000 100000\n"}, 2.5),  # docker --cpus 2.5
         ("0::/a/b\n", {"a/b/cpu.max": "max 100000", "a/cpu.max": "100000 100000"}, 1.0),  # a parent's limit holds
         ("0::/\n", {"cpu.max": "300000 100000"}, 3.0),  # a container's own root
-        ("4:cpu,cpuacct:/slurm\n", {"cpu,cpuacct/slurm/cpu.cfs_quota_us": "200000", "cpu,cpuacct/slurm/cpu.cfs_period_us": "100000"}, 2.0),  # noqa: E501
+        (
+            "4:cpu,cpuacct:/slurm\n",
+            {"cpu,cpuacct/slurm/cpu.cfs_quota_us": "200000", "cpu,cpuacct/slurm/cpu.cfs_period_us": "100000"},
+            2.0,
+        ),  # noqa: E501
         ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),  # v1, no limit
         ("", {}, None),  # no cgroups at all
     ],
