@@ -77,6 +77,7 @@ from accel_gpt.files import (
     tensor_bytes,
     write_failure,
 )
+from accel_gpt.metrics import Tally
 from accel_gpt.optim import apply_settings, schedule_moved
 from accel_gpt.rundir import same_on_every_rank
 from accel_gpt.shared_storage import agreement, gather_views
@@ -218,6 +219,7 @@ class Checkpointer:
         self.out_dir, self.every = Path(cfg.out_dir), cfg.save_every
         self.keep, self.keep_best = cfg.keep_checkpoints, cfg.keep_best or cfg.final_weights == "best"
         self.rollback_from: int | None = None  # the step of a checkpoint resumed by path: a new line starts there
+        self.tally = Tally("checkpoint")
         accelerator.register_for_checkpointing(state)
 
     def due(self, step: int, last: bool, stopping: bool = False) -> bool:
@@ -230,6 +232,10 @@ class Checkpointer:
         `val_loss` is the validation loss of these very weights (None when this step was not evaluated);
         it is what `keep_best` ranks checkpoints by.
         """
+        with self.tally.timed():
+            return self._save(val_loss)
+
+    def _save(self, val_loss: float | None) -> Path:
         root = self.out_dir / CHECKPOINTS
         final = root / checkpoint_name(self.state.step)
         tmp = root / f"{TMP_PREFIX}{final.name}"

@@ -8,8 +8,8 @@ as if the flags had been given by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 
 from accel_gpt.config import TrainConfig
 from accel_gpt.precision import Capability, Choice, Workload, choose_compile, choose_mixed_precision
-from accel_gpt.threads import Threads, busy_warning, choose_threads, local_processes, usable_cpus
+from accel_gpt.threads import Threads, busy_note, choose_threads, local_processes, usable_cpus
 
 
 @dataclass
@@ -62,17 +62,15 @@ def choose_precision(cfg: TrainConfig, capability: Capability, resumed: dict[str
     return choice
 
 
-def apply_threads(device: torch.device, is_main: bool) -> Threads | None:
+def apply_threads(device: torch.device) -> Threads | None:
     """Set this process's CPU threads (a CPU run only: a GPU's host threads are torch's to size)."""
     if device.type != "cpu":
         return None
     cpus = usable_cpus()
     threads = choose_threads(os.environ, cpus, local_processes())
     torch.set_num_threads(threads.count)
-    busy = busy_warning(threads.count, cpus, os.getloadavg()[0]) if hasattr(os, "getloadavg") else None
-    if busy and is_main:
-        sys.stderr.write(f"warning: {busy}\n")
-    return threads
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return dataclasses.replace(threads, note=busy_note(threads.count, cpus, load))
 
 
 def choose_compiling(

@@ -10,7 +10,10 @@ torch: `plot` reads it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +70,27 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         if isinstance(row, dict):
             rows.append(row)
     return rows
+
+
+class Tally:
+    """How often a pause in training (an evaluation, a checkpoint) ran and its seconds in all: the final line says
+    what each costs, which is what sizes eval_every and save_every."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.count, self.seconds = what, 0, 0.0
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.count += 1
+            self.seconds += time.perf_counter() - start
+
+    def describe(self) -> str:
+        """e.g. `2 checkpoints, 0.41 s each`; empty when it never ran."""
+        if not self.count:
+            return ""
+        plural = "s" if self.count != 1 else ""
+        return f"{self.count} {self.what}{plural}, {self.seconds / self.count:.3g} s each"

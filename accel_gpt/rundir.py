@@ -192,6 +192,10 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
     return data
 
 
+# Settings a run records as it resolved them (`choices.py`): the same command leaves them at auto.
+AUTO_FIELDS = ("mixed_precision", "compile")
+
+
 def never_stepped(folder: Path, cfg: TrainConfig) -> bool:
     """A run of this very config that stopped before its first step (e.g. on bad data found after it claimed the
     folder): it left config.yaml and its launch report but no weights, no checkpoint and no metrics row, nothing a
@@ -204,9 +208,13 @@ def never_stepped(folder: Path, cfg: TrainConfig) -> bool:
     if metrics.exists() and metrics.read_text(errors="replace").strip():
         return False
     try:
-        return read_run_config(folder) == yaml.safe_load(yaml_text(cfg))
+        saved, current = read_run_config(folder), yaml.safe_load(yaml_text(cfg))
     except UserError:  # no config.yaml, or not one of ours
         return False
+    for name in AUTO_FIELDS:  # the run recorded what its auto resolved to
+        if current.get(name) == "auto" and name in saved:
+            current[name] = saved[name]
+    return saved == current
 
 
 def run_files(folder: Path) -> list[str]:

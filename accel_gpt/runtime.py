@@ -62,6 +62,7 @@ def make_accelerator(
     release_group_at_exit()
     if precision is not None:
         kwargs["mixed_precision"] = precision(detect(state.device))
+        check_claims_can_hold(cpu, kwargs["mixed_precision"])
     fsdp = fsdp_plugin(kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     steps = accumulation(state.num_processes) if accumulation else 1
     plugin = GradientAccumulationPlugin(num_steps=steps, sync_with_dataloader=False)

@@ -8,8 +8,9 @@ took 2.5 min on torch's default threads against 30 s on one. `OMP_NUM_THREADS`, 
 
 One thread is not faster for small models when the CPUs are free: on an idle 2-vCPU AVX2 EPYC, two threads beat
 one from a near-empty model (1 layer, 16 wide: 248 against 277 us a token) to tiny-cpu (92 against 119), so no size
-is given one thread (bench/RESULTS.md, "Threads"). A busy machine is another matter, and is said at start. The count
-changes the order of float sums, so a run's losses repeat only at the same count: the start-up line names it.
+is given one thread (bench/RESULTS.md, "Threads"). A busy machine is another matter: the start-up line says so.
+The count changes the order of float sums, so a run's losses repeat only at the same count: the start-up line names
+it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ class Threads:
 
     count: int
     why: str
+    note: str | None = None  # a busy machine (`busy_note`)
 
     def describe(self) -> str:
-        return f"{self.count} thread{'s' if self.count != 1 else ''} ({self.why})"
+        note = f"; {self.note}" if self.note else ""
+        return f"{self.count} thread{'s' if self.count != 1 else ''} ({self.why}{note})"
 
 
 def choose_threads(env: Mapping[str, str], usable_cpus: int, local_processes: int) -> Threads:
@@ -44,15 +47,12 @@ def choose_threads(env: Mapping[str, str], usable_cpus: int, local_processes: in
     return Threads(max(1, usable_cpus // max(1, local_processes)), why)
 
 
-def busy_warning(threads: int, usable_cpus: int, load: float) -> str | None:
+def busy_note(threads: int, usable_cpus: int, load: float) -> str | None:
     """A machine already busy (a 1-minute load average of `load` on `usable_cpus`) leaves these threads waiting on
     each other: the quick start took 2.5 min on 2 threads of a loaded 2-core machine, 30 s on one."""
     if threads < 2 or load < usable_cpus:
         return None
-    return (
-        f"the machine is busy (load average {load:.1f} on {usable_cpus} usable CPUs): {threads} threads a process "
-        "will wait on each other; OMP_NUM_THREADS=1 is faster while the load lasts"
-    )
+    return f"the machine is busy, load {load:.1f}: OMP_NUM_THREADS=1 is faster while it lasts"
 
 
 def usable_cpus(root: Path = Path("/"), affinity: int | None = None) -> int:

@@ -110,8 +110,9 @@ def train(cfg: TrainConfig) -> None:
                 break
         finished = state.step == cfg.max_steps or run.budget.done
         weights = save_final(cfg, accelerator, run, state) if finished else None
-        budget = f"; {run.budget.summary()}" if run.budget.on else ""
-        logger.info(f"{log.summary(state, cfg, weights)}; {run.memory.measured()}{budget}")
+        pauses = [t.describe() for t in (evaluator.tally, checkpointer.tally) if t.count]  # what each one costs
+        budget = [run.budget.summary()] if run.budget.on else []
+        logger.info("; ".join([log.summary(state, cfg, weights), run.memory.measured(), *pauses, *budget]))
         accelerator.end_training()
 
 
@@ -263,7 +264,7 @@ def load_init_from(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
 
 def build(cfg: TrainConfig, accelerator: Accelerator, choices: RunChoices, resumed: dict[str, Any]) -> Run:
     """Data (checked against the model), model, optimizer and schedule, all through `accelerator.prepare`."""
-    choices.threads = apply_threads(accelerator.device, accelerator.is_main_process)
+    choices.threads = apply_threads(accelerator.device)
     capability = detect(accelerator.device)
     choices.compile = choose_compiling(cfg, capability, accelerator.num_processes, resumed, choices.threads)
     memory = budget(cfg, accelerator)  # refuses a run that cannot fit, before anything large is allocated

@@ -17,7 +17,7 @@ import accel_gpt.budget as budget
 from accel_gpt.budget import TimeBudget, parse_duration
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError, UserError
-from accel_gpt.optim import lr_multiplier
+from accel_gpt.optim import lr_multiplier, warmup_length
 
 WORKER = "tests/workers/budget_clock.py"
 VOCAB = 256
@@ -184,3 +184,75 @@ def test_max_steps_still_caps_a_budget(tmp_path: Path, data: Path) -> None:
     proc = run_cmd(python_cmd("train", *flags))
     assert "finished at step 3/3" in proc.stderr and "time budget 3600s: " in proc.stderr
     assert (tmp_path / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------------- schedules that follow the budget
+
+
+def test_a_budgets_warm_up_is_a_fraction_of_its_horizon_unless_steps_are_given() -> None:
+    """warmup_steps unset: 715 steps without a budget; with one, warmup_fraction of the horizon (the step cap
+    until a step is timed, so the first updates take the smallest rates). Given steps stay steps."""
+    assert TrainConfig(data_dir="d", vocab_size=VOCAB).warmup_steps == 715
+    cfg = TrainConfig(data_dir="d", max_steps=1000, time_budget="2s", vocab_size=VOCAB)
+    assert cfg.warmup_steps is None and cfg.warmup_fraction == 0.05
+    assert warmup_length(cfg) == 50 and warmup_length(cfg, 40.0) == 2.0
+    assert lr_multiplier(0, cfg) == pytest.approx(1 / 50)
+    assert [lr_multiplier(u, cfg, 40.0) for u in range(3)] == pytest.approx([0.5, 1.0, 1.0])
+    steps = TrainConfig(data_dir="d", max_steps=1000, time_budget="2s", warmup_steps=20, vocab_size=VOCAB)
+    assert warmup_length(steps, 40.0) == 20 and lr_multiplier(9, steps, 40.0) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("horizon", [12, 36, 400, 5000])
+def test_a_budgeted_schedule_peaks_early_and_ends_near_its_floor(horizon: int) -> None:
+    """The rates of a budget that fits `horizon` steps, its horizon known from the third update on (the first
+    step is not timed): the peak within the first 30% of the steps, the last rate at most 0.2x the peak."""
+    cfg = TrainConfig(data_dir="d", max_steps=100_000, time_budget="1h", vocab_size=VOCAB)
+    rates = [lr_multiplier(u, cfg, None if u < 3 else float(horizon)) for u in range(horizon)]
+    assert rates.index(max(rates)) <= 0.3 * horizon and max(rates) >= 0.9
+    assert rates[-1] <= 0.2 * max(rates)
+
+
+def without_warmup_steps(flags: list[str]) -> list[str]:
+    """The flags less `--warmup_steps N`: the schedule's default under a budget."""
+    i = flags.index("--warmup_steps")
+    return flags[:i] + flags[i + 2 :]
+
+
+def rates_of_a_budget(tmp_path: Path, data: Path, *extra: str, die_at: int = 0, check: bool = True):
+    """A 2-process budgeted run on the test's clock (steps of 0.05 s, a 2 s budget: 1 + 40 steps) with the
+    schedule's defaults, and the rates each rank used."""
+    flags = without_warmup_steps(FLAGS)
+    control = tmp_path / "control"
+    control.mkdir(exist_ok=True)
+    launch = accelerate_cmd(2, "x")[:-2]
+    args = [WORKER, str(control), "0.05", str(die_at) if die_at else "--", *(["--"] if die_at else [])]
+    train = ["train", *flags, "--data_dir", str(data), "--out_dir", str(tmp_path / "run"), *extra]
+    proc = run_cmd([*launch, *args, *train], check=check, timeout=240)
+    return proc, rates(control)
+
+
+def test_a_budgeted_run_with_default_settings_peaks_early_and_ends_at_its_floor(tmp_path: Path, data: Path) -> None:
+    proc, (zero, one) = rates_of_a_budget(tmp_path, data)
+    assert zero == one and len(zero) in (41, 42), proc.stderr[-2000:]  # 40 x 0.05 s may fall short of 2 s by round-off
+    assert zero.index(max(zero)) <= 0.3 * len(zero) and max(zero) >= 0.99e-3
+    assert zero[-1] <= 0.2 * max(zero)
+    assert "warm-up steps" not in proc.stderr  # no warning of a budget inside its warm-up
+
+
+def test_a_budgeted_resume_keeps_its_fractions(tmp_path: Path, data: Path) -> None:
+    """Killed before step 6 and resumed, a budget whose warm-up is 80% of its horizon goes on warming up over 80%
+    of the horizon the checkpoint's time per step gives (10 steps: the resume's first step is not counted)."""
+    frac = ("--warmup_fraction", "0.8", "--save_every", "1", "--time_budget", "2s")
+    control = tmp_path / "control"
+    control.mkdir()
+    launch = accelerate_cmd(2, "x")[:-2]
+    flags = without_warmup_steps(FLAGS)
+    train = ["train", *flags, *frac, "--data_dir", str(data), "--out_dir", str(tmp_path / "run")]
+    killed = run_cmd([*launch, WORKER, str(control), "0.25", "6", "--", *train], check=False, timeout=240)
+    assert killed.returncode != 0 and (control / "died_0").exists()
+    run_cmd([*launch, WORKER, str(control), "0.25", "--", *train, "--resume", "auto"], timeout=240)
+    zero, one = rates(control)
+    assert zero == one and len(zero) == 5  # steps 6..10
+    cfg = TrainConfig(data_dir="d", max_steps=1000, time_budget="2s", warmup_fraction=0.8, vocab_size=VOCAB)
+    assert zero == pytest.approx([1e-3 * lr_multiplier(u, cfg, 10.0) for u in range(5, 10)], rel=1e-9)
+    assert zero[:2] == pytest.approx([1e-3 * 6 / 8, 1e-3 * 7 / 8])  # still warming up, over 8 steps

@@ -18,7 +18,7 @@ from accel_gpt.precision import (
     choose_mixed_precision,
     cpu_capability,
 )
-from accel_gpt.threads import busy_warning, cgroup_cpu_quota, choose_threads, local_processes, usable_cpus
+from accel_gpt.threads import Threads, busy_note, cgroup_cpu_quota, choose_threads, local_processes, usable_cpus
 
 AMX = Capability("cpu", "AMX", True)
 AVX512_BF16 = Capability("cpu", "AVX512-BF16", True)
@@ -175,10 +175,12 @@ def test_the_cgroup_quota_is_read_from_v1_and_v2(tmp_path: Path, cgroup: str, fi
 
 
 def test_a_busy_machine_is_said_only_where_threads_would_wait() -> None:
-    assert busy_warning(2, 2, 0.5) is None
-    assert busy_warning(1, 2, 8.0) is None  # one thread waits on nobody
-    line = busy_warning(2, 2, 2.3)
-    assert line is not None and "load average 2.3 on 2 usable CPUs" in line and "OMP_NUM_THREADS=1" in line
+    assert busy_note(2, 2, 0.5) is None
+    assert busy_note(1, 2, 8.0) is None  # one thread waits on nobody
+    note = busy_note(2, 2, 2.3)
+    assert note == "the machine is busy, load 2.3: OMP_NUM_THREADS=1 is faster while it lasts"
+    described = Threads(2, "2 usable CPUs", note).describe()
+    assert described == f"2 threads (2 usable CPUs; {note})"
 
 
 # ------------------------------------------------------------------------------------------------ real runs

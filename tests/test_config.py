@@ -117,7 +117,8 @@ GPT2_124M = {
 # Keys the preset file itself must set: the training recipe and what a real run needs beyond it (data,
 # output, HellaSwag). Only the model shape may come from the dataclass defaults, which are documented as
 # GPT-2 124M; the loaded values are checked against the literals above either way.
-GPT2_124M_FILE_KEYS = {key for key in GPT2_124M if key not in ("n_layer", "n_head", "n_embd", "seq_len")}
+# warmup_steps is left to its default (715), so that under a time budget the warm-up is a fraction of the horizon
+GPT2_124M_FILE_KEYS = {k for k in GPT2_124M if k not in ("n_layer", "n_head", "n_embd", "seq_len", "warmup_steps")}
 GPT2_124M_FILE_KEYS |= {"data_dir", "out_dir", "hellaswag", "hellaswag_every"}
 
 

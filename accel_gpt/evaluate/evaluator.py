@@ -41,6 +41,7 @@ from accel_gpt.evaluate.hellaswag import (
 )
 from accel_gpt.evaluate.val_loss import bits_per_byte, evaluate_loss, no_bpb_note, short_split_note
 from accel_gpt.generate import NonFiniteLogits, encode_prompt, sample_texts
+from accel_gpt.metrics import Tally
 from accel_gpt.tracking import divergence_advice
 from accel_gpt.weights import ModelCard
 
@@ -95,6 +96,7 @@ class Evaluator:
         self, cfg: TrainConfig, accelerator: Accelerator, model: torch.nn.Module, card: ModelCard, splits: list[str]
     ) -> None:
         self.cfg, self.accelerator, self.model, self.card = cfg, accelerator, model, card
+        self.tally = Tally("evaluation")
         self.val_sources: list[ValSource] = []
         self.hellaswag_dl: DataLoader | None = None
         if cfg.eval_every:
@@ -125,7 +127,9 @@ class Evaluator:
     def run(self, step: int, last: bool) -> dict[str, Any]:
         """What is due at `step` (every rank calls this): the metrics to add to that step's row."""
         row: dict[str, Any] = {}
-        with self._eager():
+        if not self.due(step, last):
+            return row
+        with self.tally.timed(), self._eager():
             if self._val_due(step, last):
                 row |= self._val_losses()
                 if self.cfg.sample_tokens:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from accel_gpt.choices import RunChoices
 from accel_gpt.cli import parse
 from accel_gpt.data.loader import TokenWindows
 from accel_gpt.train import accumulate_gradients, build, build_accelerator
@@ -33,8 +34,8 @@ TokenWindows.__getitem__ = recording_getitem
 out = Path(sys.argv[1])
 steps = int(sys.argv[2])
 _, cfg = parse(["train", *sys.argv[3:]])
-accelerator = build_accelerator(cfg)
-run = build(cfg, accelerator)
+accelerator, precision = build_accelerator(cfg, resumed={})
+run = build(cfg, accelerator, RunChoices(precision), resumed={})
 batches = run.batches(0)
 per_step = []
 for step in range(steps):
