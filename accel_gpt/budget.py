@@ -12,8 +12,9 @@ with the device.
 
 The schedule follows the budget: its horizon is the step the budget is expected to end at, extrapolated from the
 time per step so far (capped by `max_steps`/`schedule_steps`), so a cosine or wsd decay ends at the budget's end.
-Warm-ups count steps, as without a budget: they protect the first updates, whose number should not depend on how
-fast the machine is. A checkpoint records the time spent, and a resume continues with what is left.
+An unset warm-up is a fraction of that horizon (`optim.warmup_length`): with 715 steps, a 3-minute budget of 36
+steps ended still warming up. A given `warmup_steps` counts steps. A checkpoint records the time spent, and a resume
+continues with what is left.
 
 What a budget cannot promise: the same steps on another run or machine. How many steps fit depends on the machine,
 its load and the number of processes, so a budgeted run is not step-for-step reproducible, nor invariant to the

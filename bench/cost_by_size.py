@@ -16,7 +16,8 @@ tokens/s are medians of the steps after the warm-up ones (compilation stays out)
 default side's FLOP/s (6N + 12LHQT per token) over torch's own 2048x2048 matmul in the precision it chose, timed in
 this process at the children's thread count. The default side also evaluates and saves once, at its last step: the
 table quotes its final line's seconds per evaluation and per checkpoint, and its peak memory (max RSS) against the
-estimate it gave at start. Data: tests/data's text as a byte-level BPE of --vocab_size ids (`run.py prepare`).
+estimate it gave at start. Data: --text (default tests/data's 250 KB, where a BPE stops at about 4,400 ids; give a
+larger text for the 16,384 of the sizes' comments) as a byte-level BPE of --vocab_size ids (`run.py prepare`).
 
 prepare: `run.py prepare --tokenizer bpe --vocab_size 16384` of the first --mb megabytes of the text files under
 --text_dirs (*.py, *.txt, *.md, *.rst, *.c, *.h; read in a fixed order, repeated if short), tokenizer learning
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.precision import cpu_capability
 from bench.benchlib import (
     REPO,
@@ -59,8 +61,8 @@ from bench.train_throughput import ChildFailed, Side, flops_per_token, fresh_run
 SIZES = {
     "tiny": (2, 4, 64, 64, 4, 512),  # the tiny-cpu preset's shape
     "small": (4, 4, 128, 256, 8, 2048),  # nanoGPT's CPU recipe's width and depth
-    "23m": (6, 6, 384, 256, 8, 8192),  # 23.2M with nanochat's block and 16,384 ids
-    "100m": (12, 12, 768, 256, 8, 2048),  # GPT-2 124M's blocks: 98M (gpt2, tied) / 110M (nanochat)
+    "23m": (6, 6, 384, 256, 8, 8192),  # 23.2M with nanochat's block and 16,384 ids (a text large enough to learn them)
+    "100m": (12, 12, 768, 256, 8, 2048),  # GPT-2 124M's blocks: 98M (gpt2, tied) / 110M (nanochat) at 16,384 ids
 }
 STEP_ONLY = "--hellaswag_every 0 --sample_tokens 0 --log_with none --log_every 1 --warmup_steps 2 --eval_windows 16"
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h")
@@ -76,7 +78,8 @@ def parse_args() -> argparse.Namespace:
     train.add_argument("--rounds", type=int, default=1, help="alternating rounds of the sides")
     train.add_argument("--warmup", type=int, default=2, help="steps per run left out")
     train.add_argument("--steps", type=int, default=4, help="measured steps per run")
-    train.add_argument("--vocab_size", type=int, default=16384)
+    train.add_argument("--vocab_size", type=int, default=16384, help="the BPE's ids (a small text learns fewer)")
+    train.add_argument("--text", type=Path, default=TEXT, help="the text to learn the BPE from and train on")
     train.add_argument("--threads", type=int, default=None, help="OMP threads of every child (default: theirs)")
     prep = sub.add_parser("prepare", help="prepare's throughput and peak memory as the text grows")
     prep.add_argument("--text_dirs", required=True, help="comma-separated folders of text files")
@@ -88,13 +91,13 @@ def parse_args() -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------ train
 
 
-def prepared(vocab_size: int) -> Path:
-    """tests/data's text as a byte-level BPE of `vocab_size` ids, prepared once under runs/bench/data/."""
-    out = RUNS / "data" / f"bpe-{vocab_size}"
+def prepared(text: Path, vocab_size: int) -> Path:
+    """`text` as a byte-level BPE of `vocab_size` ids, prepared once under runs/bench/data/."""
+    out = RUNS / "data" / f"{text.stem}-{text.stat().st_size}-bpe-{vocab_size}"
     if not (out / "manifest.json").is_file():
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, "run.py", "prepare", "--dataset", str(TEXT), "--tokenizer", "bpe"]
-        cmd += ["--vocab_size", str(vocab_size), "--out_dir", str(out)]
+        cmd = [sys.executable, "run.py", "prepare", "--dataset", str(text), "--tokenizer", "bpe"]
+        cmd += ["--vocab_size", str(vocab_size), "--val_tokens", "20000", "--out_dir", str(out)]
         child = run_child(cmd, child_env(), out.with_suffix(".log"), gpu=False)
         if child.returncode != 0:
             raise SystemExit(f"prepare failed:\n{child.log[-2000:]}")
@@ -164,15 +167,14 @@ def train_sides(size: str, block: str, args: argparse.Namespace, data_dir: Path,
 
 
 def train(args: argparse.Namespace) -> None:
-    data_dir = prepared(args.vocab_size)
+    data_dir = prepared(args.text, args.vocab_size)
     units = cpu_capability().bf16_units
     threads = args.threads or torch.get_num_threads()
-    peaks = {"no": matmul_peak(torch.float32, threads), "bf16": matmul_peak(torch.bfloat16, threads)}
-    print(
-        f"matmul 2048x2048 on {threads} threads: fp32 {peaks['no'] / 1e9:.0f} GFLOP/s, bf16 "
-        f"{peaks['bf16'] / 1e9:.0f} GFLOP/s; data {data_dir}",
-        flush=True,
-    )
+    peaks = {"no": matmul_peak(torch.float32, threads)}
+    if units:  # emulated, a bf16 matmul of this size takes half a minute: no run picks bf16 there
+        peaks["bf16"] = matmul_peak(torch.bfloat16, threads)
+    said = ", ".join(f"{'fp32' if k == 'no' else k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
+    print(f"matmul 2048x2048 on {threads} threads: {said}; data {data_dir}", flush=True)
     args.cuda = False
     rows = []
     for size in args.sizes.split(","):
@@ -205,7 +207,8 @@ def train_row(size: str, block: str, sides: list[Side], peaks: dict[str, float])
     default = by.get("default")
     cfg = next(iter(by.values())).config
     fpt = flops_per_token(cfg)
-    params = f"{(fpt - 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len) / 6e6:.1f}M"  # the 6N part, without lookups
+    with torch.device("meta"):
+        params = f"{GPT(GPTConfig(**cfg.model_settings())).num_params(non_embedding=False) / 1e6:.1f}M"
 
     def rate(label: str) -> str:
         return fmt_rate(by[label].tokens_per_sec()) if label in by else "-"

@@ -95,7 +95,14 @@ case $phase in
     step 20 "$PY" -c "import importlib.util, torch, accelerate, transformers, tiktoken
 print('torch', torch.__version__, 'accelerate', accelerate.__version__, 'transformers', transformers.__version__)
 print('datasets importable:', importlib.util.find_spec('datasets') is not None)
-print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
+print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')
+from accel_gpt.precision import Workload, choose_compile, choose_mixed_precision, detect
+device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+auto = choose_mixed_precision('auto', None, detect(device), 768)  # what a run with no precision flag picks here
+print('auto precision for GPT-2 124M:', auto)  # expected on an H100: bf16 (auto: bf16 matrix units)
+for steps in (50, 19073):  # a smoke run, and the preset's 10B tokens: compile expected for the second only
+    work = Workload(steps, 524288 * 6 * 124e6, 12)
+    print(f'auto compile, {steps} steps:', choose_compile('auto', detect(device), auto.value, work))"
     # five runs, each appended to peers.jsonl as it ends: past a run's limit only that run is lost
     step 390 "$PY" bench/peers.py --peers .carry/peers --data_dir "$data" --out "$out/peers.jsonl" "${peers[@]}" \
         "${muon[@]}"

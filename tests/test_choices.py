@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import accelerate_cmd, python_cmd, run_cmd, write_token_shards
+from test_precision import AMX, AVX2, AVX512, AVX512_BF16, H100, MPS, T4  # the device classes
 
 from accel_gpt.precision import (
     Capability,
@@ -19,14 +20,6 @@ from accel_gpt.precision import (
     cpu_capability,
 )
 from accel_gpt.threads import Threads, busy_note, cgroup_cpu_quota, choose_threads, local_processes, usable_cpus
-
-AMX = Capability("cpu", "AMX", True)
-AVX512_BF16 = Capability("cpu", "AVX512-BF16", True)
-AVX512 = Capability("cpu", "AVX512", False)
-AVX2 = Capability("cpu", "AVX2", False)
-H100 = Capability("cuda", "NVIDIA H100 (compute capability 9.0)", True)
-T4 = Capability("cuda", "Tesla T4 (compute capability 7.5)", False)
-MPS = Capability("mps", "mps", False)
 
 # (class, width) -> what auto picks when nothing else decides: bf16 only on bf16 units, and on a CPU from 128 wide
 AUTO_PRECISION = [
