@@ -11,11 +11,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from accel_gpt.checkpoint import complete_checkpoints, saved_state
 from accel_gpt.config import TrainConfig
+from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.precision import Capability, Choice, Workload, choose_compile, choose_mixed_precision
 from accel_gpt.threads import Threads, busy_note, choose_threads, local_processes, usable_cpus
 
@@ -40,13 +43,13 @@ class RunChoices:
 def resumed_config(cfg: TrainConfig) -> dict[str, Any]:
     """The config and step of the checkpoint this run will resume from, read early (before the Accelerator exists,
     which needs the precision); {} for a new run or where it cannot be read (the resume itself then says why)."""
-    from accel_gpt.checkpoint import find_resume_checkpoint, saved_state
-
-    try:
-        path = find_resume_checkpoint(cfg.resume, cfg.out_dir)
-        if path is None:
+    if cfg.resume == "none":
+        return {}
+    try:  # quietly: the resume itself warns of incomplete checkpoints, once the Accelerator can log
+        done = complete_checkpoints(cfg.out_dir) if cfg.resume == "auto" else [Path(cfg.resume)]
+        if not done:
             return {}
-        state = saved_state(path)
+        state = saved_state(done[-1])
     except Exception:  # noqa: BLE001 - any damage is the resume's to report, in its own words
         return {}
     return {**state.config, "step": state.step}
@@ -94,7 +97,5 @@ def choose_compiling(
 
 def flops_per_token(cfg: TrainConfig) -> int:
     """Training FLOPs per token of the model `cfg` describes, without allocating it."""
-    from accel_gpt.model import GPT, GPTConfig
-
     with torch.device("meta"):
         return GPT(GPTConfig(**cfg.model_settings())).flops_per_token()
