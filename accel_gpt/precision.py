@@ -222,8 +222,8 @@ class Workload:
 
     def seconds(self, capability: Capability, precision: str) -> float:
         """The steps' expected seconds: the budget where it ends them first, else from the FLOPs."""
-        key = (capability.device, capability.bf16_units, precision)
-        rate = STEP_FLOPS.get(key) or STEP_FLOPS.get((capability.device, False, "no"), 40e9)
+        own = [rate for (device, *_), rate in STEP_FLOPS.items() if device == capability.device]
+        rate = STEP_FLOPS.get((capability.device, capability.bf16_units, precision)) or min(own, default=40e9)
         if capability.device == "cpu":
             rate *= self.threads
         by_steps = self.steps * self.step_flops / rate

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from accel_gpt.choices import flops_per_token
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.precision import cpu_capability
 from bench.benchlib import (
@@ -55,7 +56,7 @@ from bench.benchlib import (
     run_child,
     table,
 )
-from bench.train_throughput import ChildFailed, Side, flops_per_token, fresh_run_dir, measure
+from bench.train_throughput import ChildFailed, Side, fresh_run_dir, measure
 
 # name: n_layer, n_head, n_embd, seq_len, micro_batch_size, tokens per step
 SIZES = {

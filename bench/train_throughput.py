@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from accel_gpt.choices import flops_per_token
 from accel_gpt.cli import parse
-from accel_gpt.config import MODEL_FIELDS, TrainConfig
-from accel_gpt.model import GPT, GPTConfig
+from accel_gpt.config import TrainConfig
 from bench.benchlib import (
     REPO,
     RUNS,
@@ -200,12 +200,6 @@ def train_flags(
     """The train flags of a run; `--flags` come last, so they win."""
     flags = ["--config", args.config, "--data_dir", data_dir, *STEP_ONLY.split(), "--max_steps", str(steps)]
     return [*flags, "--compile", str(compile_on).lower(), *(extra or []), *args.flags.split()]
-
-
-def flops_per_token(cfg: TrainConfig) -> int:
-    """Training FLOPs per token of the model `cfg` describes (6N + 12LHQT), without allocating it."""
-    with torch.device("meta"):
-        return GPT(GPTConfig(**{name: getattr(cfg, name) for name in MODEL_FIELDS})).flops_per_token()
 
 
 # ------------------------------------------------------------------------------------------- measurements
