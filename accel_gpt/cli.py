@@ -24,9 +24,9 @@ from accel_gpt.config import (
     PrepareConfig,
     SampleConfig,
     TrainConfig,
+    config_values,
     did_you_mean,
     preset_names,
-    preset_values,
 )
 from accel_gpt.errors import ConfigError, UserError, WindowError, is_main_rank
 
@@ -155,8 +155,8 @@ def parse(argv: list[str]) -> tuple[str, Config]:
         if key.startswith("--") and key not in (*known, "--help"):
             hint = did_you_mean(key[2:], [k[2:] for k in known], prefix="--")
             raise ConfigError(f"unknown {name} flag '{key}'{hint}")
-    config = _flag_value(argv, flags) or _default_preset(name, argv)
-    parser = build_parser(name, preset_values(command.config, config) if config else {})
+    config = ",".join(_flag_values(argv, flags)) or _default_preset(name, argv)
+    parser = build_parser(name, config_values(command.config, config))
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     return name, command.config.load(config, given)
@@ -169,12 +169,14 @@ def _default_preset(name: str, argv: list[str]) -> str:
     return "tinyshakespeare" if name == "prepare" and not given & {"--dataset", "--merge", "--help", "-h"} else ""
 
 
-def _flag_value(argv: list[str], flags: tuple[str, ...]) -> str:
+def _flag_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """Every value given to `flags`, in order: `--config a --config b` layers b over a, as a later flag wins."""
+    values = []
     for i, arg in enumerate(argv):
         key, eq, value = arg.partition("=")
         if key in flags:
-            return value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-    return ""
+            values.append(value if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
+    return [value for value in values if value]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -100,14 +100,23 @@ class Config:
 
     @classmethod
     def load(cls: type[C], config: str = "", overrides: dict[str, Any] | None = None) -> C:
-        """Defaults, then the YAML file or preset `config`, then `overrides` (flags win)."""
-        values = preset_values(cls, config) if config else {}
+        """Defaults, then each YAML file or preset of `config` in turn (several: `config_layers`), then `overrides`
+        (flags win)."""
         overrides = dict(overrides or {})
         check_keys(cls, overrides, "the command line")
-        for pair in cls.same_setting:
-            if any(name in overrides for name in pair):
-                values = {k: v for k, v in values.items() if k not in pair}
-        return cls(**{**values, **overrides, "config": config})
+        values = cls.layered([*(preset_values(cls, layer) for layer in config_layers(cls, config)), overrides])
+        return cls(**{**values, "config": config})
+
+    @classmethod
+    def layered(cls, layers: list[dict[str, Any]]) -> dict[str, Any]:
+        """Later layers win; a layer that gives one name of a `same_setting` pair replaces either from before."""
+        values: dict[str, Any] = {}
+        for layer in layers:
+            for pair in cls.same_setting:
+                if any(name in layer for name in pair):
+                    values = {k: v for k, v in values.items() if k not in pair}
+            values |= layer
+        return values
 
 
 C = TypeVar("C", bound=Config)
@@ -119,6 +128,20 @@ def presets_dir(cls: type[Config]) -> Path:
 
 def preset_names(cls: type[Config]) -> list[str]:
     return sorted(p.stem for p in presets_dir(cls).glob("*.yaml"))
+
+
+def config_layers(cls: type[Config], config: str) -> list[str]:
+    """The files and presets of `config`: one, or several joined by commas (`--config` given more than once), read
+    in that order. A file whose own name holds a comma is one layer."""
+    if not config:
+        return []
+    whole = Path(config).is_file() or (presets_dir(cls) / f"{config.removesuffix('.yaml')}.yaml").is_file()
+    return [config] if whole or "," not in config else [part for part in config.split(",") if part]
+
+
+def config_values(cls: type[Config], config: str) -> dict[str, Any]:
+    """What the layers of `config` set together, later ones winning: the defaults `--config ... --help` shows."""
+    return cls.layered([preset_values(cls, layer) for layer in config_layers(cls, config)])
 
 
 def preset_values(cls: type[Config], name_or_path: str) -> dict[str, Any]:
@@ -615,9 +638,8 @@ class TrainConfig(Config):
                 f"of the model's parameters and much of its step: for a model this small, {smaller} leaves more to "
                 "the blocks"
             )
-        source = Path(self.config)
-        if is_run_config(source):
-            if source.parent.resolve() != Path(self.out_dir).resolve():
+        for source in map(Path, config_layers(type(self), self.config)):
+            if is_run_config(source) and source.parent.resolve() != Path(self.out_dir).resolve():
                 notes.append(
                     f"{source} is another folder's run config: this run writes to its out_dir {self.out_dir}, not to "
                     f"{source.parent} (a copied run? pass --out_dir {source.parent})"

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from accel_gpt.checkpoint import complete_checkpoints, data_identity, saved_state
-from accel_gpt.config import TrainConfig, block_defaults, preset_values
+from accel_gpt.config import TrainConfig, block_defaults, config_values
 from accel_gpt.data.shards import read_manifest
 from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.evaluate.val_loss import run_val_windows
@@ -324,7 +324,7 @@ def training_command(config: dict[str, Any], processes: int | None) -> str:
     flags = []
     if preset:
         try:
-            base |= preset_values(TrainConfig, preset)
+            base |= config_values(TrainConfig, preset)
             flags = ["--config", preset]
         except ConfigError:
             pass  # the preset or file is gone: every setting that differs from the defaults is listed instead

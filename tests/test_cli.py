@@ -192,6 +192,30 @@ def test_every_command_takes_a_config_file(tmp_path: Path, capsys: pytest.Captur
     assert err == f"error: unknown eval setting 'limt' in {eval_yaml}; did you mean limit?"
 
 
+def test_config_given_twice_layers_the_second_over_the_first(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`--config tiny-cpu --config mine.yaml` is the preset with mine.yaml's settings over it (as a later flag wins),
+    not the preset alone; `--help` shows the layered values, and a comma-joined --config means the same."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"out_dir: {tmp_path / 'run_b'}\nmax_steps: 2\nlearning_rate: 0.002\n")
+    _, alone = parse(["train", "--config", "tiny-cpu"])
+    _, both = parse(["train", "--config", "tiny-cpu", "--config", str(mine), "--max_steps", "3"])
+    assert (both.out_dir, both.max_steps, both.learning_rate) == (str(tmp_path / "run_b"), 3, 0.002)
+    assert (both.n_layer, both.data_dir) == (alone.n_layer, alone.data_dir)  # the preset's, where mine is silent
+    assert both.config == f"tiny-cpu,{mine}"
+    _, again = parse(["train", f"--config=tiny-cpu,{mine}"])
+    assert (again.out_dir, again.max_steps) == (str(tmp_path / "run_b"), 2)
+    _, reversed_ = parse(["train", "--config", str(mine), "--config", "tiny-cpu"])
+    assert reversed_.out_dir == alone.out_dir and reversed_.learning_rate == alone.learning_rate
+    assert (
+        shown_default(
+            help_entries(help_text(capsys, "train", "--config", "tiny-cpu", "--config", str(mine)))["--max_steps"]
+        )
+        == 2
+    )
+    err = one_line_error(capsys, ["train", "--config", "tiny-cpu", "--config", str(tmp_path / "nope.yaml")])
+    assert "nope.yaml" in err and "neither a YAML file nor a train preset" in err
+
+
 def test_plot_help_names_its_inputs_and_extra(capsys: pytest.CaptureFixture) -> None:
     out = help_text(capsys, "plot")
     assert "RUN_DIR [RUN_DIR ...]" in out
