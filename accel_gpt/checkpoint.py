@@ -114,7 +114,7 @@ LEGACY_DEFAULTS = {"arch": "gpt2", "n_kv_head": None, "rope_theta": None, "logit
 # Settings a resume may change; each change is logged. The optimizer's are re-applied after `load_state`, which
 # restores the saved ones; the schedule's and grad_clip are read from the config at every step anyway.
 CHANGEABLE_FIELDS = ("learning_rate", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "min_lr_ratio")
-CHANGEABLE_FIELDS += ("lr_schedule", "schedule_steps", "decay_fraction", "max_steps")
+CHANGEABLE_FIELDS += ("lr_schedule", "schedule_steps", "decay_fraction", "max_steps", "time_budget", "warmup_fraction")
 CHANGEABLE_FIELDS += ("spike_loss_zscore", "spike_grad_zscore", "spike_window", "dropout")
 CHANGEABLE_FIELDS += ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr_fn", "muon_ns_steps")
 CHANGEABLE_FIELDS += ("muon_momentum_warmup", "muon_momentum_start", "muon_ns_dtype", "embedding_lr", "head_lr")
@@ -140,6 +140,7 @@ class TrainState:
     # tells every command that trained them ([] in checkpoints from before it was recorded).
     segments: list[dict[str, Any]] = field(default_factory=list)
     budget: TimeBudget | None = None  # --time_budget: its spent step time rides in every checkpoint
+    budget_record: dict[str, float] = field(default_factory=dict)  # as loaded: `TimeBudget.state` of the saver
 
     def advance(self, cfg: TrainConfig) -> None:
         """One optimizer step done: the position in the window stream follows from the global batch."""
@@ -170,6 +171,7 @@ class TrainState:
         self.data = json.loads(sd.get("data_json", "{}"))  # {} in checkpoints from before it was recorded
         self.num_processes = int(sd.get("num_processes", 0))
         self.segments = json.loads(sd.get("segments_json", "[]"))
+        self.budget_record = {k: float(sd[k]) for k in ("budget_spent", "budget_per_step") if k in sd}
         if self.budget is not None:  # a budget continues with what is left (none spent: saved without one)
             self.budget.resume(sd, self.step)
         if self.spike is not None and "spike_json" in sd:  # absent when saved with the guard off: it starts empty
@@ -368,8 +370,9 @@ class Checkpointer:
             logger.warning(other_group_note(path, saved.num_processes, processes))
         apply_settings(self.optimizer, config)
         for name in changed_settings(saved.config, config):
-            logger.info(f"resume: {name} {saved.config[name]} -> {config[name]}")
-        moved = schedule_moved(self.cfg, saved.config, self.state.step)
+            was, now = ("none" if v in (None, "") else v for v in (saved.config[name], config[name]))
+            logger.info(f"resume: {name} {was} -> {now}")
+        moved = schedule_moved(self.cfg, saved.config, self.state.step, saved.budget_record)
         if moved:
             logger.info(moved)
         if resume != "auto":

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 import yaml
 
 from accel_gpt.errors import ConfigError
-from accel_gpt.files import atomic_write
+from accel_gpt.files import atomic_write, lock_holder
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -694,15 +694,23 @@ class TrainConfig(Config):
         return self.total_batch_size // per_micro
 
 
-def padded_vocab(data_dir: str, multiple: int = 128) -> int:
-    """The vocabulary of a prepared folder rounded up to `multiple` rows (the logits stop at the real ids). Where the
-    manifest cannot be read, GPT-2's padded 50,304: train then says what is wrong with the folder in one line."""
+def padded_vocab(data_dir: str) -> int | None:
+    """The vocabulary of a prepared folder, padded (`pad_vocab`). None where the manifest cannot be read (not there
+    yet, a prepare still writing the folder, damaged): train then reads the folder itself and says what is wrong,
+    instead of a guessed size that every resume would keep."""
+    if lock_holder(data_dir):
+        return None  # a prepare writes here: its manifest may appear or change before train opens the data
     try:
         size = json.loads((Path(data_dir) / "manifest.json").read_text(encoding="utf-8"))["vocab_size"]
     except Exception:  # noqa: BLE001 - any unreadable manifest is train's to report, with its own checks
-        return 50_304
+        return None
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        return 50_304
+        return None
+    return pad_vocab(size)
+
+
+def pad_vocab(size: int, multiple: int = 128) -> int:
+    """`size` ids rounded up to `multiple` rows: faster matmuls; the logits stop at the real ids."""
     return -(-size // multiple) * multiple
 
 

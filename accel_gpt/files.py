@@ -144,6 +144,25 @@ def locked(folder: str | Path, what: str) -> Iterator[None]:
         f.close()
 
 
+def lock_holder(folder: str | Path) -> str | None:
+    """Who holds `folder/.lock` ("pid N on HOST"), or None where nobody does; takes no lock for itself.
+
+    It asks for a *shared* lock: shared locks never exclude each other, so every rank of a launch may probe at the
+    same moment (an exclusive probe made two ranks refuse each other), and only a writer's exclusive lock refuses
+    it. A shared lock also works on a read-only descriptor where flock is emulated by POSIX locks (NFS)."""
+    path = Path(folder) / LOCK
+    try:
+        f = open(path)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+    return None
+
+
 # ------------------------------------------------------------------------------------------ failed writes
 
 FULL_DISK_BYTES = 1 << 20  # less free space than this, after a failed write, means the disk is full

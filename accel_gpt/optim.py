@@ -239,30 +239,43 @@ def lr_multiplier(step: int, cfg: TrainConfig, horizon: float | None = None) -> 
 
 
 SCHEDULE_FIELDS = ("learning_rate", "warmup_steps", "lr_schedule", "schedule_steps", "max_steps", "min_lr_ratio",
-                   "decay_fraction")  # fmt: skip
+                   "decay_fraction", "time_budget", "warmup_fraction")  # fmt: skip
 
 
-def schedule_moved(cfg: TrainConfig, saved: dict[str, Any], step: int) -> str | None:
+def schedule_moved(cfg: TrainConfig, saved: dict[str, Any], step: int, budget: dict[str, float]) -> str | None:
     """What a resume at `step` with other schedule settings than the checkpoint's `saved` config does to the next
     update's rate, said with the way to keep the saved schedule; None where the rate is the same. A longer
-    --max_steps moves a decaying schedule's end, so a finished run's floor jumps back up. Not said for a time budget,
-    whose horizon follows the clock (its rates are the budget's to set)."""
-    if cfg.time_budget or saved.get("time_budget"):
-        return None
+    --max_steps moves a decaying schedule's end, so a finished run's floor jumps back up; so does a time budget
+    dropped or changed. `budget`: the checkpoint's budget record (`TimeBudget.state`), from which a budget's horizon
+    is what its clock computes right after a resume, for the saved settings and for these alike."""
     before = copy.copy(cfg)  # not validated again: the saved rate may not go with this config's other settings
     for name in SCHEDULE_FIELDS:
         setattr(before, name, saved.get(name, getattr(cfg, name)))
-    old, new = (c.learning_rate * lr_multiplier(step, c) for c in (before, cfg))
+    old, new = (c.learning_rate * lr_multiplier(step, c, resumed_horizon(c, step, budget)) for c in (before, cfg))
     if math.isclose(old, new, rel_tol=1e-9):
         return None
     keep = ""
-    if before.max_steps != cfg.max_steps and not cfg.schedule_steps and cfg.lr_schedule != "constant":
-        horizon = schedule_horizon(before)
+    horizon = resumed_horizon(before, step, budget) or schedule_horizon(before)
+    if (
+        horizon != schedule_horizon(cfg)
+        and not (cfg.schedule_steps or cfg.time_budget)
+        and cfg.lr_schedule != "constant"
+    ):
+        horizon = math.ceil(horizon)
         keep = f" (--schedule_steps {horizon} keeps its horizon: past step {horizon} the rate stays at the floor)"
     return (
         f"resume: the learning-rate schedule changed: step {step + 1} updates at {new:.3g}, where the checkpoint's "
         f"schedule gave {old:.3g}{keep}"
     )
+
+
+def resumed_horizon(cfg: TrainConfig, step: int, budget: dict[str, float]) -> float | None:
+    """The step `cfg`'s time budget ends at, as a clock resumed at `step` from the record `budget` first sees it
+    (`TimeBudget.horizon`: the coming first step is not counted); None without a budget or a timed step."""
+    seconds, per_step = cfg.budget_seconds(), budget.get("budget_per_step", 0.0)
+    if not seconds or per_step <= 0:
+        return None
+    return step + 1 + max(0.0, seconds - budget.get("budget_spent", 0.0)) / per_step
 
 
 def wsd_decay_steps(cfg: TrainConfig, horizon: float | None = None) -> int:

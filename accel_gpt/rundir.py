@@ -25,7 +25,6 @@ config.yaml and accelerate_env.txt, then starts the trackers (which create logs/
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import os
 from collections.abc import Iterator, Mapping
@@ -40,7 +39,7 @@ from accelerate.utils import broadcast_object_list
 from accel_gpt.bpe import TOKENIZER_FILE
 from accel_gpt.config import TrainConfig, save_yaml, yaml_text
 from accel_gpt.errors import UserError
-from accel_gpt.files import LOCK, locked, remove
+from accel_gpt.files import lock_holder, locked, remove
 
 logger = get_logger(__name__)
 
@@ -151,23 +150,11 @@ def check_restartable(resume: str, env: Mapping[str, str] = os.environ) -> None:
 
 def probe_lock(folder: Path) -> None:
     """Refuse a folder another process trains in, without taking the lock (read-only: a refusal changes nothing).
-
     `start` takes the lock for real before the first write; this only names a busy folder before minutes of
-    building. Every rank of a launch probes at the same moment, so the probe asks for a *shared* lock: shared
-    locks never exclude each other, and only a holder of the exclusive one (a run training here) refuses it. An
-    exclusive probe made two ranks of one launch refuse each other whenever their probes overlapped (the message
-    then named the previous run, whose pid the file still holds). A shared lock also works on a read-only file
-    descriptor where flock is emulated by POSIX locks (NFS), where an exclusive one fails with EBADF."""
-    path = folder / LOCK
-    if not path.is_file():
-        return
-    with open(path) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = f.read().strip() or "another process"
-            message = f"{folder} is in use by {holder} (train refused); wait for it or use another folder"
-            raise UserError(message) from None
+    building."""
+    holder = lock_holder(folder)
+    if holder:
+        raise UserError(f"{folder} is in use by {holder} (train refused); wait for it or use another folder")
 
 
 def run_of(path: str | Path) -> Path | None:

@@ -41,7 +41,7 @@ from accel_gpt.checkpoint import (
     tokenizer_mismatch,
 )
 from accel_gpt.choices import RunChoices, apply_threads, choose_compiling, choose_precision, resumed_config
-from accel_gpt.config import MODEL_FIELDS, TrainConfig
+from accel_gpt.config import MODEL_FIELDS, TrainConfig, pad_vocab
 from accel_gpt.data import shards
 from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
 from accel_gpt.errors import ConfigError, DataError, UserError
@@ -264,6 +264,8 @@ def load_init_from(cfg: TrainConfig, tokenizer: Tokenizer) -> GPT:
 
 def build(cfg: TrainConfig, accelerator: Accelerator, choices: RunChoices, resumed: dict[str, Any]) -> Run:
     """Data (checked against the model), model, optimizer and schedule, all through `accelerator.prepare`."""
+    if cfg.vocab_size is None:  # the manifest was unreadable when the config was read: size it now, or say why not
+        cfg.vocab_size = pad_vocab(shards.read_manifest(cfg.data_dirs[0])["vocab_size"])
     choices.threads = apply_threads(accelerator.device)
     capability = detect(accelerator.device)
     choices.compile = choose_compiling(cfg, capability, accelerator.num_processes, resumed, choices.threads)

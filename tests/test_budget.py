@@ -169,6 +169,23 @@ def test_a_resume_after_a_kill_continues_the_budget(tmp_path: Path, data: Path) 
     assert steps[-1] == 10
 
 
+def test_a_finished_budget_continued_by_steps_says_its_rate_jump(tmp_path: Path, data: Path) -> None:
+    """The budget ended the run at its floor at step 9; `--resume auto --max_steps 36` with no budget moves the
+    horizon to 36, so step 10 updates near the peak again: the resume says that, and that the budget is gone."""
+    budgeted(tmp_path / "control", data, tmp_path / "run")
+    flags = [f for f in FLAGS if f not in ("--time_budget", "2s")]
+    flags = [*flags, "--data_dir", str(data), "--out_dir", str(tmp_path / "run"), "--resume", "auto"]
+    proc = run_cmd(python_cmd("train", *flags, "--max_steps", "36"))
+    # the budget's own schedule, resumed: its clock ends it at step 10 (the coming first step is not counted)
+    floor = 1e-3 * lr_multiplier(9, TrainConfig(data_dir="d", max_steps=10, warmup_steps=2, vocab_size=VOCAB))
+    now = 1e-3 * lr_multiplier(9, TrainConfig(data_dir="d", max_steps=36, warmup_steps=2, vocab_size=VOCAB))
+    assert "resume: time_budget 2s -> none" in proc.stderr
+    assert (
+        f"resume: the learning-rate schedule changed: step 10 updates at {now:.3g}, where the checkpoint's schedule "
+        f"gave {floor:.3g} (--schedule_steps 10 keeps its horizon" in proc.stderr
+    ), proc.stderr[-3000:]
+
+
 def test_a_budget_that_ends_in_the_warm_up_says_so_once(tmp_path: Path, data: Path) -> None:
     """9 steps fit the budget, the warm-up is 20: after the first counted step rank 0 warns (once, not per rank)."""
     proc = budgeted(tmp_path / "control", data, tmp_path / "run", 0, "--warmup_steps", "20")

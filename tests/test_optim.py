@@ -239,8 +239,32 @@ def test_a_longer_run_resumed_says_its_rate_jumps_back_up(tmp_path: Path, data: 
         f"gave {before:.3g} (--schedule_steps 4 keeps its horizon: past step 4 the rate stays at the floor)"
     ) in log
     assert _rows(out)[4]["lr"] == pytest.approx(now, rel=1e-12)
-    budgeted = TrainConfig(data_dir="x", warmup_steps=2, max_steps=6, time_budget="1m")  # its horizon is the clock's
-    assert schedule_moved(budgeted, {"max_steps": 4, "warmup_steps": 2}, 4) is None
+
+
+def test_a_time_budget_dropped_or_changed_at_resume_says_its_rate_jump() -> None:
+    """A budget's horizon is its clock's: 60 s at 1 s a step, 59 of them spent at step 58, ends at step 60 (the
+    first step of a start is not counted). Continued by steps, or with another budget, the next rate is what that
+    schedule gives, said as for a run by steps; the same budget resumed says nothing."""
+    saved = {"max_steps": 100_000, "warmup_steps": 2, "time_budget": "60"}
+    record = {"budget_spent": 59.0, "budget_per_step": 1.0}
+    budgeted = TrainConfig(data_dir="x", learning_rate=1e-3, **saved)
+    assert schedule_moved(budgeted, saved, 58, record) is None
+    floor = 1e-3 * lr_multiplier(58, budgeted, 60.0)
+    by_steps = TrainConfig(data_dir="x", learning_rate=1e-3, warmup_steps=2, max_steps=232)
+    now = 1e-3 * lr_multiplier(58, by_steps)
+    assert now > 5 * floor
+    assert schedule_moved(by_steps, saved, 58, record) == (
+        f"resume: the learning-rate schedule changed: step 59 updates at {now:.3g}, where the checkpoint's schedule "
+        f"gave {floor:.3g} (--schedule_steps 60 keeps its horizon: past step 60 the rate stays at the floor)"
+    )
+    longer = TrainConfig(data_dir="x", learning_rate=1e-3, **(saved | {"time_budget": "2m"}))
+    moved = schedule_moved(longer, saved, 58, record)
+    assert moved == (
+        f"resume: the learning-rate schedule changed: step 59 updates at "
+        f"{1e-3 * lr_multiplier(58, longer, 120.0):.3g}, where the checkpoint's schedule gave {floor:.3g}"
+    )
+    steps_then_budget = schedule_moved(budgeted, {"max_steps": 4, "warmup_steps": 2}, 4, {})
+    assert steps_then_budget is not None and "step 5 updates at" in steps_then_budget  # the clock's first horizon
 
 
 # ------------------------------------------------------------------------------------------ Muon + AdamW

@@ -85,7 +85,7 @@ def merge_parts(out_dir: str | Path, checksums: bool = True) -> dict[str, Any]:
         raise DataError(f"cannot merge '{out_dir}': unfinished or missing parts: {', '.join(missing)}")
     parts = []
     for name in names:
-        manifest = shards.read_manifest(out_dir / name)
+        manifest = shards.read_manifest(out_dir / name, by_prepare=True)
         for split in manifest["splits"]:
             shards.verify_split(out_dir / name, manifest, split, checksums=checksums)
         parts.append((name, manifest))

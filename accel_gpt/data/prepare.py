@@ -306,7 +306,7 @@ def _refuse_other_layout(job: Job) -> None:
     manifest = out_dir / shards.MANIFEST
     single = (out_dir / STATE_FILE).is_file() or any(_is_shard(p.name) for p in out_dir.glob("*.bin"))
     if manifest.is_file() and not single:
-        single = "parts" not in shards.read_manifest(out_dir)
+        single = "parts" not in shards.read_manifest(out_dir, by_prepare=True)
     if single:
         raise DataError(
             f"out_dir '{out_dir}' holds a single-part prepare; a prepare in {job.count} parts (--num_shards) needs "
@@ -403,7 +403,7 @@ def _check_inputs(recorded: list[dict[str, Any]] | None, source: Source, what: s
 def _verify_finished(job: Job, source: Source, start: float) -> Summary:
     """A finished prepare with the same arguments and input: check every shard's size and sha256, change nothing."""
     data_dir = job.data_dir
-    manifest = shards.read_manifest(data_dir)
+    manifest = shards.read_manifest(data_dir, by_prepare=True)
     _check_identity(manifest.get("args", {}), job, "a finished prepare")
     _check_inputs(manifest.get("source", {}).get("inputs"), source, "the finished prepare", data_dir)
     for split in manifest["splits"]:

@@ -48,7 +48,7 @@ import numpy as np
 
 from accel_gpt.config import PrepareConfig, close_paths, preset_names
 from accel_gpt.errors import DataError, UserError
-from accel_gpt.files import atomic_write_json, publish, temp_sibling
+from accel_gpt.files import atomic_write_json, lock_holder, publish, temp_sibling
 from accel_gpt.tokenizer import Tokenizer, dtype_for_vocab
 
 FORMAT = "accel_gpt-shards"
@@ -160,11 +160,16 @@ def prepare_hint(data_dir: Path) -> str:
     return said + (f", a new folder since {data_dir} holds other files" if taken else "")
 
 
-def read_manifest(data_dir: str | Path) -> dict[str, Any]:
-    """The manifest of a prepared folder, checked for the fields and types every reader relies on."""
+def read_manifest(data_dir: str | Path, by_prepare: bool = False) -> dict[str, Any]:
+    """The manifest of a prepared folder, checked for the fields and types every reader relies on. A reader other
+    than prepare itself (`by_prepare`) is refused while a prepare holds the folder: its manifest is not there yet,
+    or not final."""
     if not str(data_dir):
         raise DataError("data_dir is required: a folder written by `run.py prepare`")
     data_dir = Path(data_dir)
+    holder = None if by_prepare else lock_holder(data_dir)
+    if holder:
+        raise DataError(f"data_dir '{data_dir}' is being written by a prepare ({holder}): wait for it to finish")
     if data_dir.is_file():
         raise DataError(f"data_dir '{data_dir}' is a file; give the folder `run.py prepare` wrote")
     if not data_dir.is_dir():
