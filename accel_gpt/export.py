@@ -83,7 +83,8 @@ def export(
 
 
 def transformers_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[Any, dict[str, str]]:
-    """The transformers tokenizer that gives `tok`'s ids, with end-of-text as bos, eos and unk (as GPT-2's own), and
+    """The transformers tokenizer that gives `tok`'s ids (the training data's, a literal end-of-text included), with
+    end-of-text as bos, eos and unk (as GPT-2's own), and
     the files to write beside what its `save_pretrained` writes (GPT-2's vocab.json and merges.txt, for readers
     without `tokenizers`)."""
     if tok.name == "gpt2":
@@ -92,13 +93,18 @@ def transformers_tokenizer(tok: Tokenizer, seq_len: int) -> tuple[Any, dict[str,
         vocab, merges = gpt2_vocab_and_merges()
         lines = ["#version: 0.2", *(f"{a} {b}" for a, b in merges)]
         files = {"vocab.json": json.dumps(vocab, ensure_ascii=False), "merges.txt": "\n".join(lines) + "\n"}
-        return GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=seq_len), files
+        return GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=seq_len, **AS_TRAINED), files
     from tokenizers import Tokenizer as Backend
     from transformers import PreTrainedTokenizerFast
 
     backend = Backend.from_str(tok.definition())
     special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=seq_len, **special), {}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=seq_len, **special, **AS_TRAINED), {}
+
+
+# prepare reads a literal "<|endoftext|>" in a document as text (tiktoken's encode_ordinary): only the boundary it
+# writes between documents is the end-of-text id, so the export's tokenizer splits that literal the same way
+AS_TRAINED = {"split_special_tokens": True}
 
 
 def val_windows_of_run(path: str | Path) -> int | None:

@@ -342,6 +342,8 @@ def test_the_export_tokenizes_as_accel_gpt_does(exported, prepared: Path, text_f
     ours = shards.tokenizer(shards.read_manifest(prepared), prepared)
     text = text_file.read_text()
     assert theirs(text)["input_ids"] == ours.encode(text)
+    literal = "one document, <|endoftext|> written in its text"  # text to prepare, not a boundary
+    assert theirs(literal)["input_ids"] == ours.encode(literal) and ours.eot_token not in ours.encode(literal)
     assert theirs.eos_token_id == ours.eot_token == json.loads((out / "config.json").read_text())["eos_token_id"]
 
 
