@@ -28,7 +28,7 @@ import re
 import time
 from typing import TYPE_CHECKING
 
-from accel_gpt.errors import ConfigError, UserError
+from accel_gpt.errors import ConfigError, StartRefused
 
 if TYPE_CHECKING:
     import torch
@@ -92,7 +92,7 @@ class TimeBudget:
         self.spent = self._agreed(before + took)
         rank0_took = self.spent - before  # every rank decides alike
         if self.counted == 1 and not self.resumed_spent and rank0_took > self.seconds:
-            raise UserError(
+            raise StartRefused(
                 f"time_budget={self.seconds:g}s is less than one step ({rank0_took:.3g}s here): give a longer budget, "
                 "or train by steps with --max_steps"
             )

@@ -11,6 +11,11 @@ class ConfigError(UserError):
     """A config key, value or combination that cannot work."""
 
 
+class StartRefused(UserError):
+    """A new run that cannot go on, found in its first steps before anything was saved (a time budget shorter than
+    a step): the files its start wrote are taken back, so that the command its message advises runs."""
+
+
 class DataError(UserError):
     """Missing, truncated or mismatched token shards, or an unusable dataset."""
 

@@ -186,6 +186,21 @@ def test_a_finished_budget_continued_by_steps_says_its_rate_jump(tmp_path: Path,
     ), proc.stderr[-3000:]
 
 
+def test_a_budget_shorter_than_a_step_leaves_nothing_that_refuses_its_advice(tmp_path: Path, data: Path) -> None:
+    """The refusal comes after the first counted step (the run had claimed its folder and logged a row): its files
+    are taken back, so the longer budget the error advises runs (before: "holds another run"); files of the user's in
+    the folder stay."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    flags = [f for f in FLAGS if f not in ("--time_budget", "2s")] + ["--data_dir", str(data), "--out_dir", str(out)]
+    refused = run_cmd(python_cmd("train", *flags, "--max_steps", "3", "--time_budget", "0.001"), check=False)
+    assert refused.returncode == 2 and "is less than one step" in refused.stderr.splitlines()[-1]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "notes.txt"]
+    proc = run_cmd(python_cmd("train", *flags, "--max_steps", "3", "--time_budget", "10m"))
+    assert "finished at step 3/3" in proc.stderr and (out / "notes.txt").read_text() == "mine"
+
+
 def test_a_budget_that_ends_in_the_warm_up_says_so_once(tmp_path: Path, data: Path) -> None:
     """9 steps fit the budget, the warm-up is 20: after the first counted step rank 0 warns (once, not per rank)."""
     proc = budgeted(tmp_path / "control", data, tmp_path / "run", 0, "--warmup_steps", "20")

@@ -153,9 +153,27 @@ def test_a_run_that_stopped_before_its_first_step_does_not_block_its_own_command
     small_vocab_shards(data, [i % 500 for i in range(600)])  # the data fixed
     capsys.readouterr()
     with caplog.at_level("INFO"):
-        main(command)
+        main([*command, "--learning_rate", "3e-3"])  # another command than the failed one: nothing to lose either
     assert "a run that stopped before its first step: removed the earlier run's config.yaml" in caplog.text
     assert (out / "model.safetensors").is_file()
+
+
+def test_a_config_yaml_of_the_users_is_not_taken_for_a_run_that_stopped(
+    capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """A folder holding a run's config.yaml and nothing else (a recipe copied there, no launch report) is not a run
+    this trainer stopped: it is refused as another run, and the file stays."""
+    data, out = small_vocab_shards(tmp_path / "data", [i % 500 for i in range(600)]), tmp_path / "o"
+    command = ["train", *TINY, "--data_dir", str(data), "--out_dir", str(out), "--eval_every", "0"]
+    main(command)
+    recipe = tmp_path / "recipe"
+    recipe.mkdir()
+    shutil.copy(out / "config.yaml", recipe / "config.yaml")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*command[:-4], "--out_dir", str(recipe)])
+    assert "holds another run (config.yaml)" in capsys.readouterr().err
+    assert (recipe / "config.yaml").read_text() == (out / "config.yaml").read_text()
 
 
 def test_token_id_beyond_what_the_manifest_says_is_named_with_its_shard(
