@@ -166,6 +166,10 @@ def append_log(path: Path, results: list[Result]) -> int:
 def run_compare(cfg: CompareConfig) -> None:
     """`run.py compare`: the table on stdout; the plot and the log where asked for."""
     run_dirs = [Path(d) for d in cfg.run_dirs]
+    if cfg.plot:  # a picture that cannot be written is said before the table, not after it
+        from accel_gpt.plot import check_out_path
+
+        check_out_path(Path(cfg.plot), "--plot")
     results = [Result.of(d, label) for d, label in zip(run_dirs, run_labels(run_dirs), strict=True)]
     print(aligned(table(results)))
     note = val_set_note(results)
@@ -174,7 +178,7 @@ def run_compare(cfg: CompareConfig) -> None:
     if cfg.plot:
         from accel_gpt.plot import run_plot
 
-        run_plot(PlotConfig(run_dirs=cfg.run_dirs, out=cfg.plot))
+        run_plot(PlotConfig(run_dirs=cfg.run_dirs, out=cfg.plot), "--plot")
     if cfg.log:
         added = append_log(Path(cfg.log), results)
         print(f"logged {added} run{'s' if added != 1 else ''} to {cfg.log}")

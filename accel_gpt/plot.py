@@ -121,14 +121,15 @@ class RunMetrics:
         return [s for s, _, _ in points], [v - e for _, v, e in points], [v + e for _, v, e in points]
 
 
-def run_plot(cfg: PlotConfig) -> None:
-    """`run.py plot`: read the runs, draw, save; prints the path written."""
+def run_plot(cfg: PlotConfig, flag: str = "--out") -> None:
+    """`run.py plot`: read the runs, draw, save; prints the path written. `flag`: the option that named the picture
+    (compare's `--plot`), which its errors name."""
     out = Path(cfg.out)
-    check_out_path(out)
+    check_out_path(out, flag)
     require_matplotlib()
     runs = load_runs([Path(d) for d in cfg.run_dirs])
     figure = make_figure(runs)
-    save_figure(figure, out)
+    save_figure(figure, out, flag)
     steps = max(run.rows[-1]["step"] for run in runs)
     print(f"wrote {out} ({len(runs)} run{'s' if len(runs) > 1 else ''}, up to step {steps})")
 
@@ -141,20 +142,20 @@ def require_matplotlib() -> None:
         raise UserError("`plot` needs matplotlib: pip install 'accel_gpt[plot]' (or pip install matplotlib)") from None
 
 
-def check_out_path(out: Path) -> None:
+def check_out_path(out: Path, flag: str = "--out") -> None:
     """Fail before reading anything when the picture could not be written in the asked format, or not at all (a
     folder of that name, or no writable folder to put it in)."""
     if out.is_dir():
-        raise UserError(f"--out {out} is a folder; give a file name, e.g. --out {out / 'runs.png'}")
+        raise UserError(f"{flag} {out} is a folder; give a file name, e.g. {flag} {out / 'runs.png'}")
     if out.suffix.lower() not in FORMATS:
-        raise UserError(f"--out {out}: the file name must end in {', '.join(FORMATS)} (the format follows it)")
+        raise UserError(f"{flag} {out}: the file name must end in {', '.join(FORMATS)} (the format follows it)")
     folder = next(p for p in out.absolute().parents if p.exists())  # the nearest folder that exists
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         reason = "not a folder" if not folder.is_dir() else "not writable (read-only or no permission)"
-        raise UserError(f"cannot write --out {out}: {folder} is {reason}")
+        raise UserError(f"cannot write {flag} {out}: {folder} is {reason}")
 
 
-def save_figure(figure: Figure, out: Path) -> None:
+def save_figure(figure: Figure, out: Path, flag: str = "--out") -> None:
     """Written whole or not at all: a reader (or a browser refreshing the picture) never sees half a PNG, and a
     failed write leaves the previous picture as it was."""
 
@@ -167,7 +168,7 @@ def save_figure(figure: Figure, out: Path) -> None:
         with replacing(out) as tmp:
             tmp.write_bytes(data)
 
-    write_or_refuse(f"--out {out}", out, write, len(data))
+    write_or_refuse(f"{flag} {out}", out, write, len(data))
 
 
 def load_runs(run_dirs: Sequence[Path]) -> list[RunMetrics]:

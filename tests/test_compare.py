@@ -60,6 +60,21 @@ def test_the_curves_in_one_plot_and_a_log_that_grows(runs: list[Path], tmp_path:
     assert "logged 0 runs" in capsys.readouterr().out and len(log.read_text().splitlines()) == 3
 
 
+@pytest.mark.parametrize("name", ["folder", "c.txt", "file/c.png"])
+def test_a_plot_that_cannot_be_written_names_compares_own_flag(
+    runs: list[Path], tmp_path: Path, capsys, name: str
+) -> None:
+    """`compare --plot PATH`: the error names --plot (not plot's --out), before any table is printed."""
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main(["compare", str(runs[0]), "--plot", str(tmp_path / name)])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1 and lines[0].startswith("error:") and captured.out == ""
+    assert f"--plot {tmp_path / name}" in lines[0] and "--out" not in lines[0]
+
+
 def test_runs_scored_on_other_validation_sets_are_noted(runs: list[Path], tmp_path: Path, capsys) -> None:
     """Two runs whose val_loss came from another number of windows: the table, and a note on stderr naming why their
     measures may not compare; runs on one set get none."""
