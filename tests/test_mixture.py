@@ -286,3 +286,10 @@ def test_each_source_has_its_val_loss_and_val_loss_is_their_weighted_mean(
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["val_loss"] == pytest.approx(code, abs=1e-5)
     assert result["val_bpb"] == pytest.approx(rows[8]["val_bpb/code"], abs=1e-5)
+    # the mixture's own data_dir is named as several folders, not a folder to prepare
+    both = f"{data['web']},{data['code']}"
+    proc = run_cmd(python_cmd("eval", "--checkpoint", str(runs["w1"]), "--data_dir", both), check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: data_dir '{both}' names 2 folders (a mixture's): this reads one folder at a time; give one of "
+        f"{data['web']}, {data['code']}"
+    )

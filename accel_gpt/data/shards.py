@@ -172,6 +172,12 @@ def read_manifest(data_dir: str | Path, by_prepare: bool = False) -> dict[str, A
         raise DataError(f"data_dir '{data_dir}' is being written by a prepare ({holder}): wait for it to finish")
     if data_dir.is_file():
         raise DataError(f"data_dir '{data_dir}' is a file; give the folder `run.py prepare` wrote")
+    parts = [Path(part.strip()) for part in str(data_dir).split(",") if part.strip()]
+    if not data_dir.is_dir() and len(parts) > 1 and all(part.is_dir() for part in parts):
+        raise DataError(
+            f"data_dir '{data_dir}' names {len(parts)} folders (a mixture's): this reads one folder at a time; give "
+            f"one of {', '.join(map(str, parts))}"
+        )
     if not data_dir.is_dir():
         close, hint = close_paths(data_dir, keep=lambda entry: (entry / MANIFEST).is_file()), prepare_hint(data_dir)
         hint = f"did you mean {' or '.join(close)}? If not, {hint}" if close else hint
