@@ -148,6 +148,30 @@ def test_parts_share_one_tokenizer_file(tmp_path: Path, prepared: Path, text_fil
     assert np.array_equal(*joined)
 
 
+def test_a_part_given_another_tokenizer_file_is_refused_before_it_writes(
+    tmp_path: Path, prepared: Path, text_file: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Part 1 given another --tokenizer_file than finished part 0: one line naming the argument, before it tokenizes
+    (nothing of part 1 is written, so the corrected command runs and merges)."""
+    other = tmp_path / "other"
+    prepare(PrepareConfig(dataset=str(text_file), out_dir=str(other), tokenizer="bpe", vocab_size=300))
+    base = ["prepare", "--dataset", str(text_file), "--tokenizer", "bpe", "--num_shards", "2"]
+    base += ["--out_dir", str(tmp_path / "two")]
+    given, wrong = str(prepared / bpe.TOKENIZER_FILE), str(other / bpe.TOKENIZER_FILE)
+    cli_main([*base, "--shard_index", "0", "--tokenizer_file", given])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        cli_main([*base, "--shard_index", "1", "--tokenizer_file", wrong])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "tokenizer_file's sha256" in err
+    assert "part part-00000-of-00002" in err and "give this part part-00000-of-00002's" in err
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["part-00000-of-00002"]
+    cli_main([*base, "--shard_index", "1", "--tokenizer_file", given])
+    assert (
+        shards.read_manifest(tmp_path / "two")["tokenizer_sha256"] == shards.read_manifest(prepared)["tokenizer_sha256"]
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -19,6 +19,22 @@ _SHARED = ("tokenizer", "chars", "tokenizer_sha256", "vocab_size", "dtype", "eot
 _PER_PART = ("shard_index", "num_proc")
 
 
+def shared_args(args: dict[str, Any]) -> dict[str, Any]:
+    """The recorded prepare arguments that every part of one prepare must share."""
+    return {k: v for k, v in args.items() if k not in _PER_PART}
+
+
+def other_args(first: dict[str, Any], other: dict[str, Any]) -> str:
+    """Where `other` differs from `first`, in words: `name first -> other; ...` (a tokenizer file by its sha256)."""
+    names = [k for k in {**first, **other} if first.get(k) != other.get(k)]
+    def value(key: str, args: dict[str, Any]) -> str:
+        v = args.get(key)
+        return repr(v[:12] + "...") if key == "tokenizer_sha256" and isinstance(v, str) else repr(v)
+
+    shown = {"tokenizer_sha256": "tokenizer_file's sha256"}
+    return "; ".join(f"{shown.get(k, k)} {value(k, first)} -> {value(k, other)}" for k in names)
+
+
 def part_dir_name(index: int, count: int) -> str:
     """Folder of one part of a multi-machine `prepare`, inside the common out_dir."""
     return f"part-{index:05d}-of-{count:05d}"
@@ -89,10 +105,13 @@ def merge_parts(out_dir: str | Path, checksums: bool = True) -> dict[str, Any]:
         for split in manifest["splits"]:
             shards.verify_split(out_dir / name, manifest, split, checksums=checksums)
         parts.append((name, manifest))
-    args = [{k: v for k, v in m.get("args", {}).items() if k not in _PER_PART} for _, m in parts]
+    args = [shared_args(m.get("args", {})) for _, m in parts]
     for (name, _), a in zip(parts[1:], args[1:], strict=True):
         if a != args[0]:
-            raise DataError(f"part {name} was prepared with other arguments than {names[0]}")
+            raise DataError(
+                f"part {name} was prepared with other arguments than {names[0]} ({other_args(args[0], a)}): "
+                f"prepare it again with {names[0]}'s arguments (delete '{out_dir / name}' first)"
+            )
     merged = merge_manifests(parts)
     merged["args"] = args[0]
     shards.tokenizer(parts[0][1], out_dir / names[0]).copy_to(out_dir)  # a bpe's tokenizer.json beside the manifest

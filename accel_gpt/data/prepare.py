@@ -68,7 +68,14 @@ from accel_gpt import bpe
 from accel_gpt.config import BPE_PARTS, PrepareConfig
 from accel_gpt.data import shards
 from accel_gpt.data.encode import CUT_BEFORE, NullRows, encode_pieces, make_tasks, unique_chars, warm_gpt2
-from accel_gpt.data.merge import all_parts_finished, merge_if_complete, merge_parts, part_dir_name
+from accel_gpt.data.merge import (
+    all_parts_finished,
+    merge_if_complete,
+    merge_parts,
+    other_args,
+    part_dir_name,
+    shared_args,
+)
 from accel_gpt.data.pipeline import STATE_FILE, State, StreamWriter, Workers
 from accel_gpt.data.sources import Source, Stream, open_streams, resolve_source
 from accel_gpt.data.train_bpe import train_tokenizer
@@ -318,6 +325,23 @@ def _refuse_other_layout(job: Job) -> None:
             f"out_dir '{out_dir}' holds parts of another part count ({', '.join(others[:3])}); a prepare in "
             f"{job.count} parts needs its own folder: use another --out_dir or delete it"
         )
+    _refuse_other_args(job, out_dir)
+
+
+def _refuse_other_args(job: Job, out_dir: Path) -> None:
+    """A part whose arguments differ from a finished part's (another --tokenizer_file, vocabulary, split) could never
+    be merged with it: said before this part tokenizes anything, naming the arguments."""
+    mine = shared_args(job.args())
+    for index in range(job.count):
+        folder = out_dir / part_dir_name(index, job.count)
+        if index == job.index or not (folder / shards.MANIFEST).is_file():
+            continue
+        theirs = shared_args(shards.read_manifest(folder, by_prepare=True).get("args", {}))
+        if theirs != mine:
+            raise DataError(
+                f"part {folder.name} in '{out_dir}' was prepared with other arguments than this part "
+                f"({other_args(theirs, mine)}): every part needs the same ones; give this part {folder.name}'s"
+            )
 
 
 def _merge_if_complete(job: Job) -> None:
