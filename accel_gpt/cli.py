@@ -8,6 +8,7 @@ are imported only by the command that runs, so `--help` answers at once.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -125,11 +126,38 @@ def main(argv: list[str] | None = None) -> None:
             close_progress_bars()
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a file that cannot be read or written, wherever it is met: named in one line
+        close_progress_bars()
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)  # every rank that meets it: it may be its own file
+        sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C where nothing handles it (start-up, eval, sample): no traceback
         close_progress_bars()
         if is_main_rank():
             print("interrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(130)
+
+
+# What to do about a file error, by errno (the rest: the system's own words and the file are enough).
+OS_ERROR_HINTS = {
+    errno.EACCES: "check the file's permissions and owner",
+    errno.EPERM: "check the file's permissions and owner",
+    errno.EROFS: "the filesystem is read-only: choose a writable folder",
+    errno.ENOSPC: "the disk is full: free some space or choose another disk",
+    errno.EDQUOT: "the disk quota is used up: free some space or choose another disk",
+    errno.ENAMETOOLONG: "shorten the path (each name at most 255 bytes)",
+    errno.EMFILE: "raise the limit with `ulimit -n`, or give fewer --num_workers",
+    errno.ENFILE: "close some programs and try again",
+    errno.EIO: "the disk or its filesystem failed to read or write: check it (dmesg) and try again",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """An OSError as one line: what failed, on which file, and what to do (no traceback)."""
+    what = e.strerror or str(e) or type(e).__name__
+    files = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    hint = OS_ERROR_HINTS.get(e.errno)
+    line = f"{what}: {files}" if files else what
+    return f"{line} ({hint})" if hint else line
 
 
 def close_progress_bars() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,7 @@ def load_weights(folder: Path) -> tuple[GPT, ModelCard]:
     if not weights.is_file():
         raise UserError(f"{folder} has {MODEL_CONFIG} but no {WEIGHTS}")
     check_as_saved(folder)
+    open(weights, "rb").close()  # a file this process may not read is said as such, not as safetensors' own error
     try:
         state = load_file(str(weights))
     except Exception as e:  # safetensors raises its own error types for corrupt headers or data
@@ -214,7 +216,7 @@ def complete_checkpoints(out_dir: str | Path, warn: bool = False) -> list[Path]:
     if not root.is_dir():
         return []
     done = []
-    for p in sorted(root.glob("step_*")):
+    for p in [root / name for name in sorted(os.listdir(root)) if name.startswith("step_")]:  # glob hides EACCES
         if read_marker(p) is not None:
             done.append(p)
         elif (p / COMPLETE).exists():

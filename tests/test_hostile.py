@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -369,3 +370,104 @@ def test_the_advice_for_a_data_folder_without_its_manifest_works(capsys, tmp_pat
     capsys.readouterr()
     out = argv[-1]
     assert Path(out) == Path(f"{damaged}-prepared") and (Path(out) / "manifest.json").is_file()
+
+
+# Files and folders the process may not read or write (mode bits: another user's file, a read-only copy): the command
+# works where it does not need them, or says so in one `error:` line naming the file, never a traceback. Run by a
+# worker that file modes bind even under root (`tests/workers/bound_by_permissions.py`).
+
+UNWRITABLE = {  # (what, mode): the commands that write there
+    ("run", "555"): lambda run, data, new: [
+        ["train", *TINY, "--data_dir", str(data), "--out_dir", str(run), "--max_steps", "6", "--resume", "auto"]
+    ],  # fmt: skip
+    ("run/metrics.jsonl", "444"): lambda run, data, new: [
+        ["train", *TINY, "--data_dir", str(data), "--out_dir", str(run), "--max_steps", "6", "--resume", "auto"]
+    ],  # fmt: skip
+    ("run/checkpoints", "555"): lambda run, data, new: [
+        [
+            "train",
+            *TINY,
+            "--data_dir",
+            str(data),
+            "--out_dir",
+            str(run),
+            "--max_steps",
+            "6",
+            "--resume",
+            "auto",
+            "--save_every",
+            "6",
+        ]
+    ],  # fmt: skip
+    ("new", "555"): lambda run, data, new: [
+        ["export", "--checkpoint", str(run), "--out_dir", str(new / "x")],
+        ["train", *TINY, "--data_dir", str(data), "--out_dir", str(new / "x"), "--max_steps", "1"],
+    ],  # fmt: skip
+}
+
+
+@pytest.mark.slow
+def test_files_the_process_may_not_read_or_write_are_named_in_one_line(
+    capsys, tmp_path: Path, run: Path, data: Path
+) -> None:
+    """A command that refuses even the intact folders (export of this char-token run) may say the same again."""
+    cases, where, pristine = [], [], []
+
+    def add(i: int, target: Path, mode: str, argvs: list[list[str]]) -> None:
+        for argv in argvs:
+            cases.append({"path": str(target), "mode": mode, "argv": argv})
+            where.append(f"{target.relative_to(tmp_path / str(i))} {mode}, {argv[0]}")
+            pristine.append(outcome_of(argv, tmp_path / str(i)))
+
+    def outcome_of(argv: list[str], root: Path) -> str | None:
+        """The error line of `argv` on intact copies (its paths from ROOT), or None where it works."""
+        base = tmp_path / "intact"
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.copytree(root, base, symlinks=True)
+        capsys.readouterr()
+        try:
+            main([a.replace(str(root), str(base)) for a in argv])
+        except SystemExit:
+            return capsys.readouterr().err.strip().splitlines()[-1].replace(str(base), "ROOT")
+        return None
+
+    readers = {
+        **FOLDERS,
+        "run": lambda r, d, new: [
+            *FOLDERS["run"](r, d, new),
+            ["eval", "--checkpoint", str(r), "--data_dir", str(d), "--eval_windows", "4"],
+            ["sample", "--checkpoint", str(r), "--max_new_tokens", "2"],
+            ["train", *TINY, "--data_dir", str(d), "--out_dir", str(r), "--max_steps", "6", "--resume", "auto"],
+        ],
+    }
+    i = 0
+    for folder, commands in readers.items():
+        source = {"run": run, "data": data}.get(folder, run / folder)
+        for name in sorted(p.name for p in source.iterdir() if not p.name.startswith(".")):
+            i += 1
+            run_copy, data_copy = copy(run, tmp_path / str(i)), copy(data, tmp_path / str(i))
+            base = {"run": run_copy, "data": data_copy}.get(folder, run_copy / folder)
+            add(i, base / name, "000", commands(run_copy, data_copy, tmp_path / str(i) / "new"))
+    for (what, mode), commands in UNWRITABLE.items():
+        i += 1
+        run_copy, data_copy, new = (
+            copy(run, tmp_path / str(i)),
+            copy(data, tmp_path / str(i)),
+            tmp_path / str(i) / "new",
+        )
+        new.mkdir()
+        add(i, tmp_path / str(i) / what, mode, commands(run_copy, data_copy, new))
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    worker = [sys.executable, "tests/workers/bound_by_permissions.py", str(tmp_path / "cases.json")]
+    run_cmd([*worker, str(tmp_path / "out.json")], timeout=900)
+    failures = []
+    results = json.loads((tmp_path / "out.json").read_text())
+    for case, said, at, expected in zip(cases, results, where, pristine, strict=True):
+        errors = [line for line in said["stderr"] if line.startswith("error: ")]
+        named = errors and Path(case["path"]).name in errors[0]
+        root = str(tmp_path / Path(case["path"]).relative_to(tmp_path).parts[0])
+        as_intact = errors and errors[0].replace(root, "ROOT") == expected
+        if said["code"] == 0 or (said["code"] == 2 and len(errors) == 1 and (named or as_intact)):
+            continue
+        failures.append(f"{at}: exit {said['code']}, {(errors or said['stderr'][-1:])}"[:400])
+    assert not failures, "\n".join(failures)

@@ -27,6 +27,7 @@ def shared_args(args: dict[str, Any]) -> dict[str, Any]:
 def other_args(first: dict[str, Any], other: dict[str, Any]) -> str:
     """Where `other` differs from `first`, in words: `name first -> other; ...` (a tokenizer file by its sha256)."""
     names = [k for k in {**first, **other} if first.get(k) != other.get(k)]
+
     def value(key: str, args: dict[str, Any]) -> str:
         v = args.get(key)
         return repr(v[:12] + "...") if key == "tokenizer_sha256" and isinstance(v, str) else repr(v)
