@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
             close_progress_bars()
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:  # the reader of stdout went away (`sample ... | head -3`): stop as quietly as it did
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail again
+        sys.exit(141)  # as a process that SIGPIPE ended: 128 + 13
     except OSError as e:  # a file that cannot be read or written, wherever it is met: named in one line
         close_progress_bars()
         print(f"error: {describe_os_error(e)}", file=sys.stderr)  # every rank that meets it: it may be its own file

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
+import re
 import sys
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -25,7 +27,8 @@ from accel_gpt.evaluate.val_loss import run_val_windows
 from accel_gpt.files import atomic_write, write_or_refuse
 from accel_gpt.memory import parameter_counts
 from accel_gpt.plot import load_rows, run_labels
-from accel_gpt.rundir import read_run_config
+from accel_gpt.rundir import ENV_REPORT, read_run_config
+from accel_gpt.weights import MODEL_CONFIG, complete_checkpoints
 
 # Settings that never make two runs different experiments: where they ran, and how often they said so.
 _NOT_SETTINGS = ("out_dir", "config", "log_every", "log_with", "resume", "overwrite", "num_workers", "check_memory")
@@ -45,6 +48,7 @@ class Result:
     tokens: int
     seconds: float
     parameters: int | None
+    processes: str  # how many processes trained it: "2", or each start's where they differed ("1,2"); "-" unknown
 
     @classmethod
     def of(cls, run_dir: Path, label: str) -> Result:
@@ -57,8 +61,28 @@ class Result:
         steps = rows[-1]["step"]
         return cls(
             label, run_dir, settings, last.get("val_loss"), last.get("val_bpb"), steps, steps * (batch or 0),
-            seconds, _parameters(settings),
+            seconds, _parameters(settings), _processes(run_dir),
         )  # fmt: skip
+
+
+def _processes(run_dir: Path) -> str:
+    """The processes of each start that trained the run's newest weights (their model_config.json's history), else
+    what its launch report says; "-" where neither is there."""
+    newest = [run_dir, *reversed(complete_checkpoints(run_dir))]
+    for folder in newest:
+        try:
+            history = json.loads((folder / MODEL_CONFIG).read_text(encoding="utf-8")).get("history") or []
+        except (OSError, ValueError, AttributeError):
+            continue
+        counts = list(dict.fromkeys(str(h["processes"]) for h in history if isinstance(h, dict) and h.get("processes")))
+        if counts:
+            return ",".join(counts)
+    try:
+        report = (run_dir / ENV_REPORT).read_text(encoding="utf-8")
+    except OSError:
+        return "-"
+    found = re.search(r"^Num processes: (\d+)", report, re.MULTILINE)
+    return found.group(1) if found else "-"
 
 
 def _parameters(settings: dict[str, Any]) -> int | None:
@@ -111,11 +135,12 @@ def not_default(settings: dict[str, Any]) -> dict[str, Any]:
 def table(results: list[Result]) -> list[list[str]]:
     """Header and rows as text: the measures, then the settings that differ."""
     keys = differing(results)
-    header = ["run", "val_loss", "val_bpb", "steps", "tokens", "train_s", "params", *keys]
+    header = ["run", "val_loss", "val_bpb", "steps", "tokens", "train_s", "params", "processes", *keys]
     rows = [
         [
             r.label, _num(r.val_loss, 4), _num(r.val_bpb, 4), f"{r.steps:,}", f"{r.tokens:,}", f"{r.seconds:.4g}",
-            f"{r.parameters / 1e6:.2f}M" if r.parameters else "-", *(_text(r.settings.get(k)) for k in keys),
+            f"{r.parameters / 1e6:.2f}M" if r.parameters else "-", r.processes,
+            *(_text(r.settings.get(k)) for k in keys),
         ]
         for r in results
     ]  # fmt: skip

@@ -60,7 +60,7 @@ def export(
     if card.model.vocab_size < tok.vocab_size:
         raise UserError(f"{path} has vocab_size={card.model.vocab_size}, fewer than its tokenizer's {tok.vocab_size}")
     hf_model = to_transformers(model, vocab_size=tok.vocab_size)
-    set_end_of_text(hf_model, tok.eot_token)
+    set_end_of_text(hf_model, tok.eot_token, card.model.seq_len)
     windows = val_windows_of_run(path)
     if windows is not None:
         setattr(hf_model.config, EVAL_RECORD, {"eval_windows": windows})

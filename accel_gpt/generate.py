@@ -156,11 +156,31 @@ def decode_samples(rows: list[list[int]], tokenizer: Tokenizer, prompt_len: int,
     an empty prompt starts from (no text encodes to it, so a one-token prompt of end-of-text is that start)."""
     eot = tokenizer.eot_token
     start = 1 if eot is not None and prompt_len == 1 and rows and rows[0][0] == eot else 0
+    return [
+        tokenizer.decode(row[start:-1] if ended_at_eot(row, prompt_len, eot, stop_at_eot) else row[start:])
+        for row in rows
+    ]
 
-    def ended(row: list[int]) -> bool:
-        return stop_at_eot and eot is not None and len(row) > prompt_len and row[-1] == eot
 
-    return [tokenizer.decode(row[start:-1] if ended(row) else row[start:]) for row in rows]
+def ended_at_eot(row: list[int], prompt_len: int, eot: int | None, stop_at_eot: bool) -> bool:
+    """Whether a `sample_ids` row stopped at an end-of-text the model wrote."""
+    return stop_at_eot and eot is not None and len(row) > prompt_len and row[-1] == eot
+
+
+def eot_note(rows: list[list[int]], prompt_len: int, eot: int | None, stop_at_eot: bool, asked: int) -> str | None:
+    """One line for the samples that ended at end-of-text before `asked` new tokens: shorter than asked, and why."""
+    short = [
+        (i, len(row) - prompt_len) for i, row in enumerate(rows, 1) if ended_at_eot(row, prompt_len, eot, stop_at_eot)
+    ]
+    short = [(i, n) for i, n in short if n < asked]
+    if not short:
+        return None
+    which = "sample" if len(rows) == 1 else "samples " + ", ".join(str(i) for i, _ in short)
+    after = ", ".join(str(n - 1) for _, n in short)
+    return (
+        f"note: {which} stopped at end-of-text (a document's end) after {after} of {asked} new tokens; "
+        "--stop_at_eot false writes on past it"
+    )
 
 
 def context_warning(rows: list[list[int]], prompt_len: int, seq_len: int) -> str | None:
@@ -231,7 +251,10 @@ def run_sample(cfg: SampleConfig) -> None:
         progress=True,
     )
     prompt_len = len(encode_prompt(tokenizer, cfg.prompt))
-    warning = context_warning(rows, prompt_len, card.model.seq_len)
-    if warning:
-        print(warning, file=sys.stderr)
+    for note in (
+        context_warning(rows, prompt_len, card.model.seq_len),
+        eot_note(rows, prompt_len, tokenizer.eot_token, cfg.stop_at_eot, cfg.max_new_tokens),
+    ):
+        if note:
+            print(note, file=sys.stderr)
     print(f"\n{'-' * 40}\n".join(decode_samples(rows, tokenizer, prompt_len, cfg.stop_at_eot)))

@@ -98,23 +98,24 @@ def gpt2_config(cfg: GPTConfig, vocab_size: int | None = None) -> GPT2Config:
     )
 
 
-def generation_config(eot: int = GPT2_EOT) -> GenerationConfig:
+def generation_config(eot: int, positions: int) -> GenerationConfig:
     """The defaults of `generate` and `pipeline` for an export: the end-of-text (GPT-2's, or a trained bpe's) as bos,
-    eos and pad (GPT-2 has no pad token). No `max_length`, as in OpenAI's GPT-2: transformers warns at every call
-    that passes `max_new_tokens` (the usual way) when the model's config sets one, so a call without a length takes
-    transformers' default (20 tokens, prompt included); the model card says how far the window goes."""
+    eos and pad (GPT-2 has no pad token), and `max_length` = the model's positions, so that a call with no length
+    stays inside them (transformers' pipeline otherwise adds 256 new tokens and indexes past a small model's
+    positions: IndexError). A call that passes `max_new_tokens` takes that instead, with transformers' note that it
+    takes precedence."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot)
+    return GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, max_length=positions)
 
 
-def set_end_of_text(hf_model: Any, eot: int) -> None:
+def set_end_of_text(hf_model: Any, eot: int, positions: int) -> None:
     """The tokenizer's end-of-text as the model config's bos and eos (and pad, where the config names one): the
-    configs above assume GPT-2's id, which a trained bpe does not have."""
+    configs above assume GPT-2's id, which a trained bpe does not have; and the generation defaults that fit."""
     hf_model.config.bos_token_id = hf_model.config.eos_token_id = eot
     if getattr(hf_model.config, "pad_token_id", None) is not None:
         hf_model.config.pad_token_id = eot
-    hf_model.generation_config = generation_config(eot)
+    hf_model.generation_config = generation_config(eot, positions)
 
 
 # An export's config.json keeps, under this key, what `run.py eval` needs to score it as it scores the run it came

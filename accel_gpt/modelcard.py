@@ -350,7 +350,8 @@ def _usage_section(seq_len: int, load_as: str) -> list[str]:
         f'print(generate("ROMEO:", max_new_tokens={new}, do_sample=True, top_k=50)[0]["generated_text"])\n```',
         f"The model reads at most {seq_len} tokens: its position table has {seq_len} rows (`n_positions`). "
         "Every call stops at `<|endoftext|>` (`eos_token_id`), where a training document ended; a call without a "
-        "length stops at transformers' default of 20 tokens, prompt included. "
+        f"length stops at {seq_len} tokens, prompt included (`max_length` in `generation_config.json`; a call that "
+        "passes `max_new_tokens` takes that instead, and transformers notes that it takes precedence). "
         f"Keep the prompt's tokens plus `max_new_tokens` within {seq_len}: past it there is no position for the "
         "next token, and transformers, "
         'after warning that the call "exceeded the model\'s predefined maximum length", fails with '

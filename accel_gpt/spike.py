@@ -1,16 +1,28 @@
-"""The loss-spike guard: an optimizer step whose loss or gradient norm is an outlier is not applied.
+"""The loss-spike guard: a step whose loss is an outlier is not applied; a gradient whose norm is one is scaled down.
 
-The outlier test is llm.c's: a value more than z standard deviations above the mean of the last `spike_window`
-applied steps (a skipped step's values never enter the window, so one spike cannot widen it for the next). Until
-the window holds `SPIKE_MIN_HISTORY` values nothing is judged: a mean over a handful of warm-up steps says little.
+The outlier test is llm.c's and OLMo's: a value more than z standard deviations above the mean of the last
+`spike_window` steps. Every step's values enter the window, the judged ones too, as in both: a lone bad batch
+only widens the window a little, while a lasting change of level (weights an update broke, which the next updates
+repair) is judged against itself within a few steps and trained through. A window of applied steps only, tried
+first, could never take in such a level: every later step was skipped and the run had to be stopped (tiny-cpu's
+spike at step 32). Until the window holds `SPIKE_MIN_HISTORY` values nothing is judged.
+
+The two outliers are treated apart, by what they mean:
+- a loss far above the window's is a bad batch (corrupt or degenerate data): its gradient points nowhere useful,
+  so the step is skipped;
+- a gradient norm far above the window's, with an ordinary loss, is most often the run's own signal (the step that
+  repairs what the previous update did): skipping it kept it out of AdamW's second moment, which then damped the
+  next large gradients less and left the run worse (tiny-cpu, 5 seeds: bench/spike_seeds.py). It is scaled down to
+  the window's bound instead (mean + z std), as ZClip does: the step is taken, no larger than the ones before it.
 
 Everything happens on the device, so the training step gains no host sync: the window is a tensor ring, the
-decision a 0-dim bool tensor, and the update is cancelled by fused AdamW's `found_inf` flag (the one GradScaler
-sets after an overflow): the kernel leaves the weights and both moments as they were and the step counter is put
-back, so a skipped step changes no parameter or optimizer state, while the schedule and the data position advance
-as usual. It costs nothing when nothing is skipped: with `bench/spike_guard.py` the guarded step takes the time of
-fused AdamW alone, while copying the weights and moments aside to restore them took 7-17x that step on CPU.
-The loss and the norm are those of the global batch, so every rank takes the same decision.
+decisions 0-dim tensors, a skipped update is cancelled by fused AdamW's `found_inf` flag (the one GradScaler sets
+after an overflow: the kernel leaves the weights and both moments as they were and the step counter is put back,
+so a skipped step changes no parameter or optimizer state, while the schedule and the data position advance as
+usual), and the scaling is one multiply of the gradients by a device scalar (1 where nothing is clipped). With
+`bench/spike_guard.py` the skip costs nothing measurable beside fused AdamW, while copying the weights and moments
+aside to restore them took 7-17x that step on CPU. The loss and the norm are those of the global batch, so every
+rank takes the same decisions.
 """
 
 from __future__ import annotations
@@ -23,14 +35,9 @@ from accel_gpt.config import SPIKE_MIN_HISTORY, TrainConfig
 from accel_gpt.errors import ConfigError
 from accel_gpt.optim import can_skip_steps
 
-# Skipped steps in a row that stop the run (`tracking.MetricsLogger`): a guard that skips a bad batch sees the next
-# one pass; when every batch is an outlier, an earlier update has broken the weights and skipping only keeps them so
-# (measured on tiny-cpu: skipping its step-32 spike, caused by step 31's update, left 69 of 100 steps skipped).
-MAX_SKIPPED_IN_A_ROW = 16
-
 
 class SpikeGuard:
-    """The window of the last `spike_window` applied steps' (loss, grad norm), and the decision against it.
+    """The window of the last `spike_window` steps' (loss, grad norm), and the decision against it.
 
     Its `state_dict` rides in the checkpoint's trainer state, so a resumed run judges its next step exactly as an
     uninterrupted one would (the ring keeps its slot order: the same sums, bit for bit).
@@ -39,23 +46,36 @@ class SpikeGuard:
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         self.zscores = torch.tensor([cfg.spike_loss_zscore, cfg.spike_grad_zscore], device=device)
         self.size = cfg.spike_window
-        self.values = torch.zeros(self.size, 2, device=device)  # slot i: the newest applied step numbered i mod size
-        self.count = torch.zeros((), dtype=torch.int64, device=device)  # applied steps recorded since the guard began
+        self.values = torch.zeros(self.size, 2, device=device)  # slot i: the newest step numbered i mod size
+        self.count = torch.zeros((), dtype=torch.int64, device=device)  # steps recorded since the guard began
 
-    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-        """Whether this step is an outlier (a 0-dim bool tensor); if not, its values join the window."""
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(skip, bound) for this step, judged against the window, whose values it then joins: whether its loss is an
+        outlier (a 0-dim bool tensor), and the most its gradient norm may be (inf where the norm is no outlier)."""
         value = torch.stack([loss.detach().float().reshape(()), grad_norm.float().reshape(())])
         slots = torch.arange(self.size, device=self.values.device)
         held = slots < self.count  # the ring's filled slots (all of them once count >= size)
         n = held.sum().clamp(min=1)
         mean = torch.where(held[:, None], self.values, 0.0).sum(0) / n
         std = (torch.where(held[:, None], self.values - mean, 0.0).square().sum(0) / n).sqrt()
-        outlier = (self.zscores > 0) & (value - mean > self.zscores * std)  # a NaN is no outlier: it stops the run
-        skip = outlier.any() & (self.count >= SPIKE_MIN_HISTORY)
-        slot = (slots == self.count % self.size) & ~skip
-        self.values = torch.where(slot[:, None], value, self.values)
-        self.count = self.count + (~skip).long()
-        return skip
+        bounds = mean + self.zscores * std
+        # a NaN is no outlier: it stops the run
+        outlier = (self.zscores > 0) & (value > bounds) & (self.count >= SPIKE_MIN_HISTORY)
+        self.values = torch.where((slots == self.count % self.size)[:, None], value, self.values)
+        self.count = self.count + 1
+        return outlier[0], torch.where(outlier[1], bounds[1], torch.inf)
+
+    def apply(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, params: list[torch.nn.Parameter], grad_clip: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Judge the step (`check`) and scale its gradients, already clipped to `grad_clip` (0: not clipped), down to
+        the norm's bound; returns (skipped, clipped) as 0-dim bool tensors for the metrics row."""
+        skip, bound = self.check(loss, grad_norm)
+        norm = grad_norm.float().clamp(max=grad_clip) if grad_clip else grad_norm.float()
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, (bound / norm).clamp(max=1.0).to(grads[0].dtype))
+        return skip, bound < norm
 
     def state_dict(self) -> dict[str, Any]:
         """Plain numbers (float32 values are exact as Python floats), read at save time: no sync in the step."""

@@ -29,7 +29,6 @@ from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.metrics import METRICS, MetricsFile, read_metrics
 from accel_gpt.rundir import same_on_every_rank
-from accel_gpt.spike import MAX_SKIPPED_IN_A_ROW
 
 logger = get_logger(__name__)
 
@@ -149,8 +148,8 @@ class MetricsLogger:
         self.rows: list[dict[str, Any]] = []
         self.last_row: dict[str, Any] = {}
         self.skipped = self._skipped_before()  # steps the spike guard skipped, shown in the bar and the summary
+        self.clipped = 0  # gradients it scaled down since this start, in the summary
         self.last_val = self._last_val_before()  # the newest evaluation's row: its val_bpb goes into the summary
-        self.skipped_in_a_row = 0
         self.start_step = step
         self.started = time.perf_counter()
         self.restart_clock()
@@ -180,7 +179,7 @@ class MetricsLogger:
         grad_norms = torch.stack([r["grad_norm"].float() for r in self.rows])
         columns = [losses.float(), grad_norms]
         if "skipped" in self.rows[0]:  # the spike guard's decisions come in the same read
-            columns.append(torch.stack([r["skipped"] for r in self.rows]).float())
+            columns += [torch.stack([r[k] for r in self.rows]).float() for k in ("skipped", "clipped")]
         values = torch.stack(columns, dim=1).tolist()
         tokens_per_sec = len(self.rows) * self.tokens_per_step / (time.perf_counter() - self.t0)
         flops_per_sec = tokens_per_sec * self.flops_per_token
@@ -195,13 +194,13 @@ class MetricsLogger:
                 "tokens_per_sec": tokens_per_sec,
                 "mfu": mfu,
                 "flops_per_sec": flops_per_sec,
-                **({"skipped": True} if skipped and skipped[0] else {}),
+                **({"skipped": True} if guard and guard[0] else {}),
+                **({"clipped": True} if guard and guard[1] and not guard[0] else {}),
             }
-            for i, (r, (loss, grad_norm, *skipped)) in enumerate(zip(self.rows, values, strict=True))
+            for i, (r, (loss, grad_norm, *guard)) in enumerate(zip(self.rows, values, strict=True))
         ]
         self.rows = []
         self._stop_if_diverged(rows)
-        self._stop_if_stuck(rows)
         self._warn_if_above_uniform(rows)
         return rows
 
@@ -240,20 +239,6 @@ class MetricsLogger:
             f"without saving its weights; {then}"
         )
 
-    def _stop_if_stuck(self, rows: list[dict[str, Any]]) -> None:
-        """`MAX_SKIPPED_IN_A_ROW` skipped steps in a row (counted since this start) end the run: the weights the guard
-        keeps give outliers against its window, and skipping cannot change that. Either the run's own updates broke
-        them, or the guard withholds updates the run needs: a large gradient is not always a bad batch, and under
-        AdamW a skipped one also stays out of the second moment, which then damps the next ones less (measured:
-        bench/RESULTS.md, "Loss-spike guard"). The line names a way out for each."""
-        for i, row in enumerate(rows):
-            self.skipped_in_a_row = self.skipped_in_a_row + 1 if row.get("skipped") else 0
-            if self.skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
-                self._write(rows[: i + 1])
-                self.progress.close()
-                first = row["step"] - MAX_SKIPPED_IN_A_ROW + 1
-                raise UserError(stuck_message(self.out_dir, first, row["step"]))
-
     def _write(self, rows: list[dict[str, Any]]) -> None:
         """metrics.jsonl, or one line on every rank where it cannot be written: a resume cuts a torn row away."""
         error = same_on_every_rank(self.accelerator, self.file.write(rows))
@@ -281,6 +266,12 @@ class MetricsLogger:
                 logger.info(
                     f"step {row['step']} skipped by the spike guard (loss {row['loss']:.4f}, grad_norm "
                     f"{row['grad_norm']:.4g}): no update, the schedule and the data move on"
+                )
+            elif row.get("clipped"):
+                self.clipped += 1
+                logger.info(
+                    f"step {row['step']}: the spike guard scaled its gradient (norm {row['grad_norm']:.4g}) down to "
+                    "the window's bound"
                 )
         last = rows[-1]
         postfix = {"loss": f"{last['loss']:.4f}", "lr": f"{last['lr']:.2e}", "tok/s": f"{last['tokens_per_sec']:,.0f}"}
@@ -314,9 +305,11 @@ class MetricsLogger:
             losses += f", last val_loss {last_val_loss:.4f}"
             if self.last_val.get("val_loss") == last_val_loss and "val_bpb" in self.last_val:  # the same evaluation's
                 losses += f", val_bpb {self.last_val['val_bpb']:.4f}"
-        if self.skipped:
-            losses += f"; {self.skipped} step(s) skipped by the spike guard"
-        took = f"in {minutes:.1f} min" + (f" (this attempt, from step {self.start_step})" if self.start_step else "")
+        if self.skipped or self.clipped:
+            losses += f"; the spike guard skipped {self.skipped} step(s) and scaled down {self.clipped} gradient(s)"
+        seconds = minutes * 60
+        took = f"in {seconds:.1f} s" if seconds < 60 else f"in {minutes:.1f} min"
+        took += f" (this attempt, from step {self.start_step})" if self.start_step else ""
         saved = (Path(cfg.out_dir) / "checkpoints").is_dir()
         files = "metrics.jsonl, config.yaml" + (", checkpoints/" if saved else "")
         return (
@@ -345,20 +338,3 @@ def checkpoint_before(out_dir: str | Path, step: int) -> Path | None:
     k - 1 holds the weights that gave them."""
     done = [p for p in complete_checkpoints(out_dir) if int(p.name.removeprefix("step_")) <= step - 2]
     return done[-1] if done else None
-
-
-def stuck_message(out_dir: str | Path, first: int, last: int) -> str:
-    """What the guard says when it skipped every step from `first` to `last`, with a way out for each cause."""
-    good = checkpoint_before(out_dir, first)
-    if good is not None:
-        back = f"resume by path from {good}, the newest checkpoint from before them, with a lower --learning_rate"
-    else:
-        back = "train again with a lower --learning_rate and --overwrite true"
-    off = "--spike_loss_zscore 0 --spike_grad_zscore 0"
-    on = f"--resume auto {off}" if complete_checkpoints(out_dir) else f"{off} --overwrite true"
-    return (
-        f"the spike guard skipped every step from {first} to {last}: the weights it keeps (those of step {first - 1}) "
-        f"give outliers against its window, and skipping cannot change that. If updates broke them, {back}; if the "
-        f"guard withholds updates this run needs (a large gradient is not always a bad batch), train on without it: "
-        f"{on}"
-    )

@@ -122,7 +122,7 @@ def stop_hint(cfg: TrainConfig) -> str:
 
 def train_step(run: Run, batches: Iterator, accelerator: Accelerator, cfg: TrainConfig) -> dict[str, Any]:
     """One optimizer step: accumulate over micro-steps, clip, update unless the spike guard skips it (the schedule
-    advances either way). Returns device tensors (no host sync)."""
+    advances either way) or with the gradient it scaled down. Returns device tensors (no host sync)."""
     loss = accumulate_gradients(run.model, batches, accelerator) / accelerator.gradient_accumulation_steps
     lr = run.scheduler.get_last_lr()[0]  # the rate this update uses
     # The norm of the mean gradient over the whole global batch: DDP has already averaged the ranks' gradients.
@@ -131,8 +131,9 @@ def train_step(run: Run, batches: Iterator, accelerator: Accelerator, cfg: Train
         grad_norm = grad_norm.full_tensor()
     row = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
     if run.guard is not None:
-        # The same decision on every rank: the global batch's loss (a device all-reduce, not a host sync) and norm.
-        row["skipped"] = run.guard.check(accelerator.reduce(loss, "mean"), grad_norm)
+        # The same decisions on every rank: the global batch's loss (a device all-reduce, not a host sync) and norm.
+        mean_loss = accelerator.reduce(loss, "mean")
+        row["skipped"], row["clipped"] = run.guard.apply(mean_loss, grad_norm, run.params, cfg.grad_clip)
     optimizer_step(run.optimizer, row.get("skipped"))
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -350,13 +351,21 @@ def describe(cfg: TrainConfig, accelerator: Accelerator, run: Run) -> str:
     if cfg.dropout:
         optimizer += f", dropout {cfg.dropout}"
     return (
-        f"{n_params / 1e6:.2f}M parameters | {accelerator.num_processes} process(es) on {accelerator.device.type} "
-        f"({accelerator.distributed_type}) | {accelerator.device.type} {run.capability.units} | "
-        f"{run.choices.describe()} | "
-        f"global batch {cfg.total_batch_size:,} tokens = {accelerator.num_processes} x "
-        f"{accelerator.gradient_accumulation_steps} micro-steps x {cfg.micro_batch_size} x {cfg.seq_len} | "
-        f"{optimizer} | {run.memory.line()}"
+        f"{n_params / 1e6:.2f}M parameters | {accelerator.num_processes} process(es) on {accelerator.device.type}"
+        f"{parallelism(accelerator)} | {accelerator.device.type} {run.capability.units} | {run.choices.describe()} | "
+        f"global batch {cfg.total_batch_size:,} tokens = {accelerator.num_processes} process(es) x "
+        f"{accelerator.gradient_accumulation_steps} micro-steps x {cfg.micro_batch_size} sequences x {cfg.seq_len} "
+        f"tokens | {optimizer} | {run.memory.line()}"
     )
+
+
+def parallelism(accelerator: Accelerator) -> str:
+    """How the processes share the work, in words (Accelerate's DistributedType names mean little to a reader)."""
+    kind = {DistributedType.FSDP: "FSDP", DistributedType.DEEPSPEED: "DeepSpeed"}.get(
+        accelerator.distributed_type, "data parallel"
+    )
+    backend = getattr(accelerator.state, "backend", None)
+    return "" if accelerator.num_processes == 1 else f" ({kind}" + (f" over {backend})" if backend else ")")
 
 
 def newton_schulz_line(optimizer: torch.optim.Optimizer) -> str:

@@ -60,13 +60,13 @@ def restore_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
 def variants(model: GPT, device: torch.device) -> dict[str, Callable[[], None]]:
     cfg = TrainConfig(data_dir="unused", spike_grad_zscore=5.0, spike_loss_zscore=5.0)
     plain, fused, guarded, skipped, restored = (adamw(model, f) for f in (False, True, True, True, True))
-    guard = SpikeGuard(cfg, device)
+    guard, params = SpikeGuard(cfg, device), [p for p in model.parameters() if p.grad is not None]
     loss, norm = torch.tensor(3.0, device=device), torch.tensor(1.0, device=device)
     skip, keep = torch.tensor(True, device=device), torch.tensor(False, device=device)
     return {
         "adamw": plain.step,
         "fused": fused.step,
-        "fused + guard (applied)": lambda: optimizer_step(guarded, guard.check(loss, norm)),
+        "fused + guard (applied)": lambda: optimizer_step(guarded, guard.apply(loss, norm, params, 1.0)[0]),
         "fused + guard (skipped)": lambda: optimizer_step(skipped, skip),
         "fused + restore (applied)": lambda: restore_step(restored, keep),
     }

@@ -36,12 +36,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]
 def test_runs_side_by_side_with_the_settings_they_differ_in(runs: list[Path], capsys) -> None:
     main(["compare", *map(str, runs)])
     header, *rows = [line.split() for line in capsys.readouterr().out.splitlines()]
-    assert header == ["run", "val_loss", "val_bpb", "steps", "tokens", "train_s", "params", "learning_rate"]
+    assert header == [
+        "run",
+        "val_loss",
+        "val_bpb",
+        "steps",
+        "tokens",
+        "train_s",
+        "params",
+        "processes",
+        "learning_rate",
+    ]
     metrics = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in runs]
     for row, run, rows_of_run in zip(rows, runs, metrics, strict=True):
         last = [m for m in rows_of_run if "val_loss" in m][-1]
         assert row[0] == run.name and row[1] == f"{last['val_loss']:.4f}" and row[2] == f"{last['val_bpb']:.4f}"
-        assert row[3:5] == ["4", "256"] and float(row[5]) > 0
+        assert row[3:5] == ["4", "256"] and float(row[5]) > 0 and row[7] == "1"
     assert [row[-1] for row in rows] == ["0.0001", "0.003"]
 
 

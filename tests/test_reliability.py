@@ -404,7 +404,9 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
     resumed = train(data, out, *args, "--resume", "auto", processes=processes).stderr
     assert f"resumed from {ckpt(out, 1)} at step 1" in resumed and "finished at step 4/4" in resumed
-    assert re.search(r"finished at step 4/4 in [\d.]+ min \(this attempt, from step 1\), 256 tokens seen", resumed)
+    assert re.search(
+        r"finished at step 4/4 in [\d.]+ (?:s|min) \(this attempt, from step 1\), 256 tokens seen", resumed
+    )
     assert [r["step"] for r in rows(out)] == [1, 2, 3, 4]
 
 

@@ -286,9 +286,30 @@ def test_sample_command_stops_at_end_of_text_unless_told_to_go_on(tmp_path: Path
     save_weights(model.state_dict(), ModelCard(TINY, Tokenizer("gpt2"), step=0), path)
     argv = ["sample", "--checkpoint", str(path), "--prompt", "Hello", "--temperature", "0", "--device", "cpu"]
     cli_main([*argv, "--max_new_tokens", "5"])
-    assert capsys.readouterr().out == "Hello\n"
+    out, err = capsys.readouterr()
+    assert out == "Hello\n"
+    assert err.splitlines() == [
+        "note: sample stopped at end-of-text (a document's end) after 0 of 5 new tokens; --stop_at_eot false writes on "
+        "past it"
+    ]
     cli_main([*argv, "--max_new_tokens", "5", "--stop_at_eot", "false"])
-    assert capsys.readouterr().out == "Hello" + "<|endoftext|>" * 5 + "\n"
+    out, err = capsys.readouterr()
+    assert out == "Hello" + "<|endoftext|>" * 5 + "\n" and err == ""
+
+
+def test_sample_piped_into_a_reader_that_stops_ends_quietly(checkpoint: Path) -> None:
+    """`run.py sample ... | head -3`: the reader goes away after 3 lines; the sample ends without a BrokenPipeError
+    traceback, as a process that SIGPIPE ended (141)."""
+    args = ["--max_new_tokens", "60", "--num_samples", "400", "--device", "cpu", "--stop_at_eot", "false"]
+    proc = subprocess.Popen(
+        python_cmd("sample", "--checkpoint", str(checkpoint), *args),
+        cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    head = [proc.stdout.readline() for _ in range(3)]
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert all(head) and proc.returncode == 141 and "Traceback" not in err and "Error" not in err, err
 
 
 def test_sample_command_warns_once_when_it_outgrows_the_window(checkpoint: Path, capsys) -> None:

@@ -29,8 +29,7 @@ from accel_gpt.data.loader import WindowSampler
 from accel_gpt.errors import ConfigError
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
-from accel_gpt.spike import MAX_SKIPPED_IN_A_ROW, SpikeGuard, check_can_skip, optimizer_step
-from accel_gpt.weights import read_model_config
+from accel_gpt.spike import SpikeGuard, check_can_skip, optimizer_step
 
 CPU = torch.device("cpu")
 
@@ -41,7 +40,9 @@ def guard(window: int = 16, loss_z: float = 0.0, grad_z: float = 0.0) -> SpikeGu
 
 
 def check(g: SpikeGuard, loss: float, grad_norm: float) -> bool:
-    return bool(g.check(torch.tensor(loss), torch.tensor(grad_norm)))
+    """Whether the guard skips the step or scales its gradient."""
+    skip, bound = g.check(torch.tensor(loss), torch.tensor(grad_norm))
+    return bool(skip) or bool(bound < grad_norm)
 
 
 # ------------------------------------------------------------------------------------------ the rule
@@ -56,8 +57,20 @@ def test_outlier_rule_by_hand() -> None:
     assert not check(g, 1e6, 4.0)
     g.load_state_dict(history)
     assert check(g, 3.0, 4.01)
-    assert int(g.count) == 16, "a skipped step's values stay out of the window"
+    assert int(g.count) == 17, "a skipped step's values enter the window too (llm.c, OLMo)"
     assert not check(g, 3.0, math.nan), "a NaN is no outlier (the run's divergence check stops it)"
+
+
+def test_a_lone_spike_is_skipped_once_and_a_new_level_is_taken_in() -> None:
+    """A bad batch among steady steps is skipped, and the next steady step is applied. A lasting jump of the loss
+    (weights an update broke, which the next updates repair) is skipped for a few steps, then judged against itself
+    and applied: the guard cannot hold a run in a streak of skips (a window of applied steps only did)."""
+    steady = [4.0 + 0.01 * ((i * 7) % 5) for i in range(40)]
+    lone, shifted = guard(window=128, loss_z=6.0), guard(window=128, loss_z=6.0)
+    assert not any(check(g, loss, 1.0) for loss in steady for g in (lone, shifted))
+    assert check(lone, 9.0, 1.0) and not check(lone, 4.02, 1.0)
+    level = [check(shifted, 6.0 + 0.01 * (i % 3), 1.0) for i in range(20)]
+    assert level[0] and sum(level) <= 3 and not any(level[level.index(False) :]), level
 
 
 def test_nothing_is_judged_before_the_window_holds_16_values() -> None:
@@ -67,7 +80,7 @@ def test_nothing_is_judged_before_the_window_holds_16_values() -> None:
     assert check(g, 1e4, 1.0), "from the 17th on, steps are judged (1e4 is far above 15 x 2.0 and 1e3)"
 
 
-def test_window_keeps_the_last_applied_steps_and_its_state_round_trips() -> None:
+def test_window_keeps_the_last_steps_and_its_state_round_trips() -> None:
     """20 steps through a 16-slot window keep steps 5..20; the state survives JSON (as in a checkpoint) bit for bit;
     a resume under a larger window gets them oldest first, under a smaller one the newest."""
     g = guard(window=16, loss_z=3.0)
@@ -89,6 +102,21 @@ def test_window_keeps_the_last_applied_steps_and_its_state_round_trips() -> None
     assert smaller.values[:, 0].tolist() == [2.0 + i / 64 for i in range(5, 21)] and int(smaller.count) == 16
 
 
+def test_a_gradient_norm_far_above_the_window_is_scaled_to_its_bound_and_applied() -> None:
+    """Norms 1, 3, 1, 3, ... (mean 2, std 1) and z = 2: a gradient of norm 8 is scaled to norm 4 (the bound), clipped
+    to 5 first by grad_clip; the step is not skipped; an ordinary one is left as it is."""
+    g = guard(grad_z=2.0)
+    for i in range(16):
+        g.check(torch.tensor(3.0), torch.tensor(1.0 + 2.0 * (i % 2)))
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([0.0, 5.0])  # clipped from norm 8 by grad_clip 5
+    skip, clipped = g.apply(torch.tensor(3.0), torch.tensor(8.0), [param], 5.0)
+    assert not skip and clipped and torch.allclose(param.grad, torch.tensor([0.0, 4.0]))
+    param.grad = torch.tensor([0.0, 1.0])
+    skip, clipped = g.apply(torch.tensor(3.0), torch.tensor(1.0), [param], 5.0)
+    assert not skip and not clipped and torch.equal(param.grad, torch.tensor([0.0, 1.0]))
+
+
 def optimizer_tensors(state_dict: dict) -> dict[str, torch.Tensor]:
     """Every tensor of an optimizer state (AdamW's, or Muon + AdamW's two), by a path name."""
     parts = state_dict.items() if "adamw" in state_dict else [("adamw", state_dict)]
@@ -98,37 +126,38 @@ def optimizer_tensors(state_dict: dict) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_a_skipped_step_changes_no_weight_or_optimizer_state_while_the_schedule_advances(name: str) -> None:
     """Through the trainer's own optimizer (fused AdamW, two groups; or Muon on the block matrices + that AdamW)
-    and schedule: after 16 ordinary steps, an outlier step leaves every parameter, moment, momentum buffer and step
-    counter bit-identical while the learning rate moves on; the next ordinary step updates everything again."""
+    and schedule: after 16 ordinary steps, a step whose loss is an outlier leaves every parameter, moment, momentum
+    buffer and step counter bit-identical while the learning rate moves on; the next ordinary step updates everything
+    again."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=8, vocab_size=64))
     cfg = TrainConfig(
-        data_dir="unused", learning_rate=1e-2, warmup_steps=2, max_steps=40, spike_grad_zscore=4.0, optimizer=name
+        data_dir="unused", learning_rate=1e-2, warmup_steps=2, max_steps=40, spike_loss_zscore=4.0, optimizer=name
     )
     optimizer, g = make_optimizer(model, cfg, "cpu"), SpikeGuard(cfg, CPU)
     scheduler = make_scheduler(optimizer, cfg)
 
-    def step(grad_scale: float) -> bool:
+    def step(loss: float) -> bool:
         for p in model.parameters():
-            p.grad = torch.randn_like(p) * grad_scale
+            p.grad = torch.randn_like(p) * 1e-2
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
-        skip = g.check(torch.tensor(3.0), norm)
+        skip, _ = g.apply(torch.tensor(loss), norm, list(model.parameters()), 0.0)
         optimizer_step(optimizer, skip)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         return bool(skip)
 
-    assert not any(step(1e-2) for _ in range(16))
+    assert not any(step(3.0) for _ in range(16))
     params, state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer_tensors(optimizer.state_dict()))
     assert len(state) == (3 * 16 if name == "adamw" else 3 * 12 + 4)  # 16 tensors; Muon: a buffer for 4 matrices
     lr = scheduler.get_last_lr()
-    assert step(10.0), "a gradient 1000x the usual is an outlier"
+    assert step(30.0), "a loss 10x the usual is an outlier"
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in params.items())
     after = optimizer_tensors(optimizer.state_dict())
     assert after.keys() == state.keys()
     assert all(torch.equal(value, after[key]) for key, value in state.items())
     assert scheduler.last_epoch == 17 and scheduler.get_last_lr() != lr
-    assert not step(1e-2)
+    assert not step(3.0)
     assert all(not torch.equal(v, model.state_dict()[k]) for k, v in params.items())
     after = optimizer_tensors(optimizer.state_dict())
     assert all(v.item() == 17 for k, v in after.items() if k.endswith("/step"))
@@ -184,17 +213,17 @@ def train(processes: int, data: Path, out: Path, *extra: str, check: bool = True
 
 def stopped_and_resumed(data: Path, out: Path) -> Path:
     """W=2 stopped after step 20 (its checkpoint holds a window of 20 applied steps), then `--resume auto` to 30;
-    a copy of the stopped run is kept for `stuck`."""
+    a copy of the stopped run is kept for `broken`."""
     train(2, data, out, *GUARD, "--max_steps", "20")
     shutil.copytree(out, out.with_name("stopped-at-20"))
     train(2, data, out, *GUARD, "--resume", "auto")
     return out
 
 
-def stuck(data: Path, root: Path, after: Path) -> Any:
-    """The step-20 checkpoint resumed with a learning rate of 1: its first update breaks the weights, every later
-    step is an outlier, and the run stops after MAX_SKIPPED_IN_A_ROW of them."""
-    out = root / "stuck"
+def broken(data: Path, root: Path, after: Path) -> Any:
+    """The step-20 checkpoint resumed with a learning rate of 1: its first update breaks the weights, and every later
+    loss lies far above the window's."""
+    out = root / "broken"
     shutil.copytree(after, out)
     extra = ("--resume", "auto", "--learning_rate", "1", "--lr_schedule", "constant", "--max_steps", "60")
     return train(1, data, out, *GUARD, *extra, check=False), out
@@ -216,7 +245,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, shakespeare_tokens: list[int]
     with ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         done = {name: future.result() for name, future in futures.items()}
-    done["stuck"] = stuck(planted, root, root / "stopped-at-20")
+    done["broken"] = broken(planted, root, root / "stopped-at-20")
     return {"root": root, **done}
 
 
@@ -255,7 +284,8 @@ def test_planted_outlier_batch_is_skipped_and_changes_nothing(runs: dict) -> Non
     assert skipped(run) == [PLANTED]
     assert rows(run)[PLANTED - 1]["loss"] > 7 and rows(clean)[PLANTED - 1]["loss"] < 6
     stderr = runs["w1"].stderr
-    assert f"step {PLANTED} skipped by the spike guard" in stderr and "1 step(s) skipped by the spike guard" in stderr
+    assert f"step {PLANTED} skipped by the spike guard" in stderr
+    assert "the spike guard skipped 1 step(s) and scaled down 0 gradient(s)" in stderr
     before, at = checkpoint(run, PLANTED - 1), checkpoint(run, PLANTED)
     a, b = load_file(str(before / "model.safetensors")), load_file(str(at / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -313,41 +343,12 @@ def test_stop_and_resume_equals_uninterrupted(runs: dict) -> None:
 
 
 @pytest.mark.slow
-def test_a_run_whose_every_step_is_an_outlier_stops(runs: dict) -> None:
-    proc, out = runs["stuck"]
-    first = 22  # step 21's update (learning rate 1) breaks the weights; its own loss was measured before it
-    last = first + MAX_SKIPPED_IN_A_ROW - 1
-    assert proc.returncode == 2
-    assert f"error: the spike guard skipped every step from {first} to {last}" in proc.stderr
-    written = rows(out)
-    assert [r["step"] for r in written] == list(range(1, last + 1))
-    assert skipped(out) == list(range(first, last + 1))
-    assert read_model_config(out).step == 20, "no final weights written: those in the folder are step 20's"
-
-
-@pytest.mark.slow
-def test_what_the_stuck_line_says_trains(runs: dict, tmp_path: Path) -> None:
-    """Each way out the line names, done as it says on a copy of the stopped run: back to the checkpoint from before
-    the broken weights with a lower rate (the guard still on: it trains to the end, skipping the planted batch only),
-    and on from the
-    newest checkpoint without the guard (it trains to the end)."""
-    proc, out = runs["stuck"]
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    back = checkpoint(out, 20)
-    assert (
-        f"If updates broke them, resume by path from {back}, the newest checkpoint from before them, with a lower "
-        "--learning_rate;" in line
-    ), line
-    assert line.endswith("train on without it: --resume auto --spike_loss_zscore 0 --spike_grad_zscore 0"), line
-    data = runs["root"] / "planted"
-    same = ("--lr_schedule", "constant", "--max_steps", "60")
-    lower = tmp_path / "lower"
-    shutil.copytree(out, lower)
-    train(1, data, lower, *GUARD, *same, "--resume", str(checkpoint(lower, 20)), "--learning_rate", "1e-2")
-    assert [r["step"] for r in rows(lower)][-1] == 60 and [s for s in skipped(lower) if s > 20] == [PLANTED]
-    unguarded = tmp_path / "unguarded"
-    shutil.copytree(out, unguarded)
-    train(
-        1, data, unguarded, *same, "--learning_rate", "1", "--resume", "auto", *line.split("--resume auto ")[1].split()
-    )
-    assert [r["step"] for r in rows(unguarded)][-1] == 60 and (unguarded / "model.safetensors").is_file()
+def test_a_run_whose_weights_were_broken_is_not_held_in_skips(runs: dict) -> None:
+    """Step 21's update (learning rate 1) breaks the weights: the guard skips the first steps of the new loss level,
+    then takes it in and trains on to the end, as the run without a guard would (before: every later step was
+    skipped and the run was stopped)."""
+    proc, out = runs["broken"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in rows(out)][-1] == 60 and (out / "model.safetensors").is_file()
+    late = [s for s in skipped(out) if s > 21]
+    assert 1 <= len(late) <= 4 and late[-1] <= 30, late  # a few skips soon after, then the new level is taken in

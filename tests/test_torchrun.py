@@ -26,7 +26,7 @@ def test_plain_torchrun_trains_in_the_mixed_precision_the_setting_names(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "run.py", "train"]
     cmd += [*FLAGS, "--data_dir", str(data), "--out_dir", str(out), "--mixed_precision", "bf16"]
     proc = run_cmd(cmd, timeout=240, ACCELERATE_MIXED_PRECISION="no")  # as if a launch had asked for none
-    assert "2 process(es) on cpu (DistributedType.MULTI_CPU)" in proc.stderr, proc.stderr[-3000:]
+    assert "2 process(es) on cpu (data parallel over gloo)" in proc.stderr, proc.stderr[-3000:]
     assert "| mixed precision bf16 (mixed_precision setting), " in proc.stderr
     assert proc.stderr.count("mixed_precision bf16 (train setting) replaces the launch's no") == 1
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
