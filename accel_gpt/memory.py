@@ -48,6 +48,11 @@ SAVED_BYTES_PER_WIDTH = {("gpt2", False): 65, ("gpt2", True): 61, ("nanochat", F
 KEPT_PER_ACTIVATION = {"gpt2": 0.8, "nanochat": 1.1}
 # What a CPU run must have free over its estimate: the spread of the kept share between identical runs (+-20%).
 CPU_RESIDENT_FACTOR = 1.25
+# What every CPU run holds beside its model's tensors and the kept buffers: the evaluation's, the sample's and the
+# checkpoint's own buffers, the tokenizer, Python's and torch's bookkeeping. Measured on the quick start (tiny-cpu on
+# its BPE data, 4 sequences a micro-batch): a peak of 91-118 MB against 74 MB estimated without it, over 5 to 2,000
+# steps; at 16 sequences 261-298 MB against 267 (bench/RESULTS.md, "Memory").
+CPU_RUNTIME_BYTES = 40_000_000
 # fp32 tensors over the logits that the loss keeps alive at its peak (log-softmax, its gradient, the logits' fp32
 # copy), and one more where the soft-cap's tanh is kept.
 LOGIT_COPIES = 3
@@ -62,30 +67,39 @@ class MemoryNeed:
     optimizer: int
     activations: int
     kept: int = 0  # freed buffers the allocator keeps (CPU)
+    runtime: int = 0  # what every run holds beside its tensors (CPU: `CPU_RUNTIME_BYTES`)
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.kept
+        return self.weights + self.gradients + self.optimizer + self.activations + self.kept + self.runtime
 
     def describe(self) -> str:
-        parts = ("weights", "gradients", "optimizer", "activations") + (("kept",) if self.kept else ())
+        parts = ("weights", "gradients", "optimizer", "activations")
+        parts += tuple(extra for extra in ("kept", "runtime") if getattr(self, extra))
         names = {"kept": "freed buffers kept"}
         said = ", ".join(f"{names.get(p, p)} {gb(getattr(self, p))}" for p in parts)
         return f"about {gb(self.total)} per process ({said})"
 
 
 def estimate(
-    cfg: TrainConfig, params: int, muon_params: int, processes: int, fsdp: bool, half: bool, kept: bool = False
+    cfg: TrainConfig,
+    params: int,
+    muon_params: int,
+    processes: int,
+    fsdp: bool,
+    half: bool,
+    kept: bool = False,
+    cpu: bool = False,
 ) -> MemoryNeed:
     """The need of `cfg` with `params` parameters (`muon_params` of them Muon's), on one of `processes` processes
     (FSDP shards the states over them); `half`: bf16/fp16 autocast; `kept`: a CPU whose allocator keeps freed
-    buffers."""
+    buffers; `cpu`: counted from the process's resident memory, its own buffers included."""
     share = processes if fsdp else 1
     weights = 4 * params // share + (2 * params if half else 0)
     optimizer = (4 * muon_params + 8 * (params - muon_params)) if cfg.optimizer == "muon" else 8 * params
     activations = activation_bytes(cfg, half)
     held = int(KEPT_PER_ACTIVATION[cfg.arch] * activations) if kept else 0
-    return MemoryNeed(weights, 4 * params // share, optimizer // share, activations, held)
+    return MemoryNeed(weights, 4 * params // share, optimizer // share, activations, held, CPU_RUNTIME_BYTES * cpu)
 
 
 def activation_bytes(cfg: TrainConfig, half: bool) -> int:
@@ -241,7 +255,8 @@ def budget(cfg: TrainConfig, accelerator: Accelerator) -> MemoryBudget:
     half = accelerator.mixed_precision in ("bf16", "fp16")
     kept = accelerator.device.type == "cpu" and keeps_freed_memory()
     muon = matrices if cfg.optimizer == "muon" else 0
-    need = estimate(cfg, params, muon, accelerator.num_processes, fsdp, half, kept)
+    cpu = accelerator.device.type == "cpu"
+    need = estimate(cfg, params, muon, accelerator.num_processes, fsdp, half, kept, cpu)
     check_fits(need, room, cfg, accelerator.device)
     return MemoryBudget(need, room, peak)
 

@@ -14,6 +14,7 @@ from conftest import python_cmd, run_cmd
 from accel_gpt.cli import main
 from accel_gpt.config import TrainConfig
 from accel_gpt.memory import (
+    CPU_RUNTIME_BYTES,
     KEPT_PER_ACTIVATION,
     SAVED_BYTES_PER_WIDTH,
     MemoryNeed,
@@ -55,7 +56,7 @@ def test_the_bytes_kept_per_layer_are_what_autograd_keeps(arch: str, half: bool)
 def test_the_estimate_adds_up_and_follows_the_settings() -> None:
     """GPT-2 124M (124.4M parameters with the padded vocabulary), AdamW: 0.5 GB of weights, as much of gradients,
     twice that of moments; FSDP shares them out; the activations shrink with checkpointing and a chunked loss."""
-    cfg = TrainConfig(data_dir="x", micro_batch_size=4)
+    cfg = TrainConfig(data_dir="x", micro_batch_size=4, vocab_size=50_304)
     params = GPT(GPTConfig(**cfg.model_settings())).num_params(non_embedding=False)
     need = estimate(cfg, params, 0, processes=8, fsdp=False, half=False)
     assert (need.weights, need.gradients, need.optimizer) == (4 * params, 4 * params, 8 * params)
@@ -63,7 +64,9 @@ def test_the_estimate_adds_up_and_follows_the_settings() -> None:
     assert sharded.optimizer == 8 * params // 8 and sharded.weights == 4 * params // 8 + 2 * params
     logits = 4 * 1024 * 50_304 * 16  # fp32 logits and three fp32 copies of them
     assert need.activations == 4 * 1024 * 12 * 65 * 768 + logits
-    smaller = TrainConfig(data_dir="x", micro_batch_size=4, activation_checkpointing=True, loss_chunk=1024)
+    smaller = TrainConfig(
+        data_dir="x", micro_batch_size=4, vocab_size=50_304, activation_checkpointing=True, loss_chunk=1024
+    )
     assert activation_bytes(smaller, False) < need.activations / 4
     assert MemoryNeed(10**9, 10**9, 2 * 10**9, 5 * 10**8).describe() == (
         "about 4.5 GB per process (weights 1.0 GB, gradients 1.0 GB, optimizer 2.0 GB, activations 500 MB)"
@@ -71,6 +74,8 @@ def test_the_estimate_adds_up_and_follows_the_settings() -> None:
     kept = estimate(cfg, params, 0, processes=1, fsdp=False, half=False, kept=True)
     assert kept.kept == int(KEPT_PER_ACTIVATION["gpt2"] * need.activations) and kept.total == need.total + kept.kept
     assert kept.describe().endswith(f", freed buffers kept {gb(kept.kept)})")
+    on_cpu = estimate(cfg, params, 0, processes=1, fsdp=False, half=False, kept=True, cpu=True)
+    assert on_cpu.total == kept.total + CPU_RUNTIME_BYTES and on_cpu.describe().endswith(", runtime 40 MB)")
 
 
 def test_a_run_that_cannot_fit_is_refused_before_it_allocates(
@@ -87,7 +92,8 @@ def test_a_run_that_cannot_fit_is_refused_before_it_allocates(
     assert len(err.splitlines()) == 1, err
     assert re.fullmatch(
         r"error: this run needs about [\d,.]+ GB per process \(weights 498 MB, gradients 498 MB, optimizer 996 MB, "
-        r"activations [\d,.]+ GB(, freed buffers kept [\d,.]+ GB)?\), 1\.25x that resident on a CPU, but the cpu has "
+        r"activations [\d,.]+ GB(, freed buffers kept [\d,.]+ GB)?(, runtime 40 MB)?\), "
+        r"1\.25x that resident on a CPU, but the cpu has "
         r"[\d,.]+ [GM]B free for each "
         r"of its processes: lower micro_batch_size \(now 512: activations scale with it\), --activation_checkpointing "
         r"true, --loss_chunk 4096 \(the logits a chunk at a time\), the model's shape \(n_layer, n_embd\); or "
