@@ -32,6 +32,7 @@ from accelerate.utils import DistributedType
 
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError
+from accel_gpt.limits import cgroup_memory_room, rlimit_memory_room
 from accel_gpt.runtime import keeps_freed_memory
 
 logger = get_logger(__name__)
@@ -118,14 +119,18 @@ def activation_bytes(cfg: TrainConfig, half: bool) -> int:
 
 
 def available(device: torch.device, local_processes: int) -> int | None:
-    """Bytes this process may use: the GPU's free memory, or the machine's available memory (within a cgroup's
-    limit) shared by the processes on it. None where it cannot be told."""
+    """Bytes this process may use: the GPU's free memory, or the machine's available memory (within its cgroups'
+    limits) shared by the processes on it, and within its own ulimit (`limits.py`). None where it cannot be told."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":
         return None
-    sizes = [size for size in (_meminfo_available(), _cgroup_room()) if size is not None]
-    return min(sizes) // max(1, local_processes) if sizes else None
+    # the process's own ulimit is its alone; the machine's and the cgroup's room is shared by the local processes
+    shared = [size for size in (_meminfo_available(), cgroup_memory_room()) if size is not None]
+    sizes = ([min(shared) // max(1, local_processes)] if shared else []) + [
+        size for size in (rlimit_memory_room(),) if size is not None
+    ]
+    return min(sizes) if sizes else None
 
 
 def check_fits(need: MemoryNeed, room: int | None, cfg: TrainConfig, device: torch.device) -> None:
@@ -215,17 +220,6 @@ def _proc_kilobytes(path: str, key: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def _cgroup_room() -> int | None:
-    """cgroup v2's limit less its usage, where a limit is set (a container's memory, a SLURM job's)."""
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 @dataclass

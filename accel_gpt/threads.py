@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from accel_gpt.limits import cgroup_cpu_quota
+
 
 @dataclass(frozen=True)
 class Threads:
@@ -62,62 +64,6 @@ def usable_cpus(root: Path = Path("/"), affinity: int | None = None) -> int:
         affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     quota = cgroup_cpu_quota(root)
     return max(1, min(affinity, math.floor(quota) if quota is not None else affinity))
-
-
-def cgroup_cpu_quota(root: Path = Path("/")) -> float | None:
-    """CPUs' worth of time per period that this process's cgroups allow (the smallest on its path), or None for no
-    limit. cgroup v2: `cpu.max` ("max 100000", or "200000 100000" for two CPUs); v1: `cpu.cfs_quota_us` over
-    `cpu.cfs_period_us` (-1: none)."""
-    limits = []
-    for line in _read(root / "proc/self/cgroup").splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if not hierarchy:
-            continue
-        if controllers == "":  # v2: one unified hierarchy
-            limits += [_v2_limit(folder) for folder in _folders(root / "sys/fs/cgroup", path)]
-        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
-            for mount in ("cpu,cpuacct", "cpu", "cpuacct,cpu"):
-                base = root / "sys/fs/cgroup" / mount
-                if base.is_dir():
-                    limits += [_v1_limit(folder) for folder in _folders(base, path)]
-                    break
-    found = [limit for limit in limits if limit is not None]
-    return min(found) if found else None
-
-
-def _folders(base: Path, path: str) -> list[Path]:
-    """The cgroup's folder and those above it, under `base`; inside a container the cgroup is often mounted as
-    the root itself, so `base` counts too."""
-    parts = [p for p in path.strip("/").split("/") if p]
-    folders = [base.joinpath(*parts[:i]) for i in range(len(parts), 0, -1)]
-    return [*folders, base]
-
-
-def _v2_limit(folder: Path) -> float | None:
-    fields = _read(folder / "cpu.max").split()
-    if len(fields) != 2 or fields[0] == "max":
-        return None
-    try:
-        return int(fields[0]) / int(fields[1])
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def _v1_limit(folder: Path) -> float | None:
-    try:
-        quota = int(_read(folder / "cpu.cfs_quota_us").strip())
-        period = int(_read(folder / "cpu.cfs_period_us").strip())
-    except ValueError:
-        return None
-    return quota / period if quota > 0 and period > 0 else None
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return ""
 
 
 def local_processes(env: Mapping[str, str] = os.environ) -> int:

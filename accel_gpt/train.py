@@ -47,6 +47,7 @@ from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
 from accel_gpt.errors import ConfigError, DataError, UserError
 from accel_gpt.evaluate.evaluator import Evaluator
 from accel_gpt.files import tensor_bytes, write_failure
+from accel_gpt.limits import check_open_files
 from accel_gpt.memory import MemoryBudget, budget
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
@@ -280,6 +281,9 @@ def build(cfg: TrainConfig, accelerator: Accelerator, choices: RunChoices, resum
     check_vocab(train_ds.manifest, cfg.vocab_size, cfg.data_dir)
     if accelerator.is_local_main_process:  # the manifest's record, or one read of the shards per node
         check_token_ids(cfg.data_dirs, [source.manifest for source in train_ds.sources], cfg.vocab_size)
+    too_few_files = check_open_files(cfg.num_workers)
+    if too_few_files:
+        raise ConfigError(too_few_files)
     weights, per_step = cfg.source_weights(), cfg.windows_per_step
     sampler = WindowSampler(train_ds.sizes, cfg.seed, weights=weights, windows_per_step=per_step)
     train_dl = DataLoader(

@@ -11,6 +11,7 @@ import yaml
 from conftest import accelerate_cmd, python_cmd, run_cmd, write_token_shards
 from test_precision import AMX, AVX2, AVX512, AVX512_BF16, H100, MPS, T4  # the device classes
 
+from accel_gpt.limits import cgroup_cpu_quota
 from accel_gpt.precision import (
     Capability,
     Choice,
@@ -19,7 +20,7 @@ from accel_gpt.precision import (
     choose_mixed_precision,
     cpu_capability,
 )
-from accel_gpt.threads import Threads, busy_note, cgroup_cpu_quota, choose_threads, local_processes, usable_cpus
+from accel_gpt.threads import Threads, busy_note, choose_threads, local_processes, usable_cpus
 
 # (class, width) -> what auto picks when nothing else decides: bf16 only on bf16 units, and on a CPU from 128 wide
 AUTO_PRECISION = [

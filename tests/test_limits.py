@@ -1,0 +1,95 @@
+"""Limits a process lives under besides the machine's: its cgroups' memory limit (v1, v2, nested) and its ulimits,
+read for the memory check (the CPU quota's own tests are in test_choices.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, python_cmd, run_cmd, subprocess_env
+from test_choices import fake_root
+
+from accel_gpt.limits import cgroup_memory_room
+
+GB = 10**9
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "files", "room"),
+    [
+        ("0::/job\n", {"job/memory.max": "max\n", "job/memory.current": "5"}, None),  # v2, no limit
+        ("0::/job\n", {"job/memory.max": f"{4 * GB}\n", "job/memory.current": f"{GB}\n"}, 3 * GB),  # docker -m 4g
+        (
+            "0::/a/b\n",
+            {"a/b/memory.max": "max", "a/b/memory.current": "10", "a/memory.max": f"{2 * GB}", "a/memory.current": "0"},
+            2 * GB,
+        ),  # a parent's limit holds (a SLURM job's, around its steps)
+        ("0::/\n", {"memory.max": f"{GB}", "memory.current": f"{GB // 4}"}, GB - GB // 4),  # a container's own root
+        (
+            "9:memory:/slurm/job_7\n",
+            {"memory/slurm/job_7/memory.limit_in_bytes": f"{8 * GB}", "memory/slurm/job_7/memory.usage_in_bytes": "0"},
+            8 * GB,
+        ),  # cgroup v1
+        ("9:memory:/\n", {"memory/memory.limit_in_bytes": "9223372036854771712"}, None),  # v1's "no limit"
+        ("0::/job\n", {"job/memory.max": f"{GB}", "job/memory.current": f"{2 * GB}"}, 0),  # over its limit already
+        ("", {}, None),  # no cgroups at all
+    ],
+)
+def test_the_cgroup_memory_room_is_read_from_v1_and_v2(tmp_path: Path, cgroup: str, files: dict, room) -> None:
+    assert cgroup_memory_room(fake_root(tmp_path, cgroup, files)) == room
+
+
+def test_a_ulimit_on_memory_is_the_room_left_under_it() -> None:
+    """`ulimit -v` (RLIMIT_AS) caps what the process may map: the room is the limit less what it maps already."""
+    code = (
+        "import resource; from accel_gpt.limits import rlimit_memory_room; "
+        "size = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024; "
+        "resource.setrlimit(resource.RLIMIT_AS, (size + 500_000_000, resource.RLIM_INFINITY)); "
+        "print(rlimit_memory_room())"
+    )
+    free = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    assert 400_000_000 < int(free.stdout) <= 500_000_000, free.stderr
+    code = "from accel_gpt.limits import rlimit_memory_room; print(rlimit_memory_room())"
+    unlimited = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True)
+    assert unlimited.stdout.strip() == b"None"
+
+
+@pytest.mark.slow
+def test_a_run_over_its_ulimit_is_refused_in_one_line(tmp_path: Path, tiny_run: Path) -> None:
+    """A run whose estimate is over what `ulimit -v` leaves is refused before it allocates, in one line (before: the
+    allocator's RuntimeError in the first step)."""
+    data = next(line.split(": ", 1)[1] for line in (tiny_run / "config.yaml").read_text().splitlines()
+                if line.startswith("data_dir:"))  # fmt: skip
+    flags = ["--n_layer", "1", "--n_head", "2", "--n_embd", "64", "--seq_len", "64", "--micro_batch_size", "64"]
+    flags += ["--total_batch_size", "4096", "--max_steps", "1", "--log_with", "none"]
+    train = " ".join(python_cmd("train", *flags, "--data_dir", data, "--out_dir", str(tmp_path / "r")))
+    run_cmd(["bash", "-c", train])  # no limit: it runs
+    probe = "import torch, accel_gpt.train; print(open('/proc/self/status').read().split('VmSize:')[1].split()[0])"
+    mapped = int(run_cmd([sys.executable, "-c", probe]).stdout)  # kB a started trainer maps before its run
+    limited = run_cmd(["bash", "-c", f"ulimit -v {mapped + 300_000}; {train} --overwrite true"], check=False)
+    lines = [line for line in limited.stderr.splitlines() if line.startswith("error:")]
+    assert limited.returncode == 2 and len(lines) == 1 and "free for each of its processes" in lines[0], limited.stderr[
+        -2000:
+    ]
+
+
+@pytest.mark.slow
+def test_data_loader_workers_under_a_low_open_file_limit_are_refused_in_one_line(
+    tmp_path: Path, tiny_run: Path
+) -> None:
+    """`ulimit -n 40` with 2 workers: measured, a worker then dies and the run waits for it (or a traceback from the
+    worker's start); now one line before the data is opened. Without workers the same limit trains."""
+    data = next(line.split(": ", 1)[1] for line in (tiny_run / "config.yaml").read_text().splitlines()
+                if line.startswith("data_dir:"))  # fmt: skip
+    flags = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--seq_len", "32", "--micro_batch_size", "2"]
+    flags += ["--total_batch_size", "64", "--max_steps", "1", "--log_with", "none", "--data_dir", data]
+    train = " ".join(python_cmd("train", *flags, "--out_dir", str(tmp_path / "r")))
+    refused = run_cmd(["bash", "-c", f"ulimit -n 40; {train} --num_workers 2"], check=False)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        "error: the open-file limit (ulimit -n) is 40, and 2 DataLoader worker(s) need at least 64 (they pass batches "
+        "through file descriptors; below that a worker dies and the run waits for it): raise it (ulimit -n 1024) or "
+        "give --num_workers 0"
+    )
+    run_cmd(["bash", "-c", f"ulimit -n 40; {train} --overwrite true"])
