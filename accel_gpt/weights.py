@@ -160,7 +160,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GP
     card)."""
     p = Path(path)
     if (p / MODEL_CONFIG).is_file():
-        model, card = load_weights(p)
+        model, card = load_weights(checkpoint_past_final(p) or p)
     elif (p / CHECKPOINTS).is_dir():
         model, card = load_weights(newest_checkpoint(p))
     elif (p / "config.json").is_file() or (not p.exists() and _looks_like_hub_id(str(path))):
@@ -179,6 +179,27 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GP
         )
     model.vocab_in_use = min(card.tokenizer.vocab_size, model.config.vocab_size)  # scores as the run and export do
     return model.to(device).eval(), card
+
+
+def checkpoint_past_final(run: Path) -> Path | None:
+    """The newest complete checkpoint of a run dir where it is newer than the run's final weights (the run was
+    continued with a larger max_steps and has not finished again), said once on stderr; None where the final weights
+    are the run's newest state (or were picked from an earlier checkpoint: `final_weights best`)."""
+    card = read_model_config(run)
+    done = complete_checkpoints(run)
+    if card.picked or card.step is None or not done or _checkpoint_step(done[-1]) <= card.step:
+        return None
+    if is_main_rank():
+        print(
+            f"note: {run}'s final weights are step {card.step}'s, but the run went on to its checkpoint "
+            f"{done[-1]} (continued, and not finished again): using that, its newest state",
+            file=sys.stderr,
+        )
+    return done[-1]
+
+
+def _checkpoint_step(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step_"))
 
 
 def newest_checkpoint(run: Path) -> Path:

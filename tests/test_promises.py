@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import python_cmd, run_cmd
+from conftest import REPO, TINY_RUN_FLAGS, python_cmd, run_cmd, subprocess_env
+
+from accel_gpt.weights import complete_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +50,42 @@ def test_sample_eval_and_export_of_a_run_without_final_weights_use_its_newest_ch
     assert json.loads(scored.stdout.splitlines()[-1]) == json.loads(expected.splitlines()[-1])
     exported = run_cmd(python_cmd("export", "--checkpoint", str(unfinished), "--out_dir", str(tmp_path / "hf")))
     assert note in exported.stderr and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_a_run_continued_and_stopped_is_read_at_its_newest_checkpoint(tiny_run: Path, tmp_path: Path) -> None:
+    """A finished run (final weights of step 4) continued with a larger max_steps and stopped (SIGTERM) after a
+    later checkpoint: sample, eval and export read that checkpoint, and say so (before: the step-4 final weights,
+    silently)."""
+    run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
+    data_dir = yaml.safe_load((run / "config.yaml").read_text())["data_dir"]
+    flags = [*TINY_RUN_FLAGS, "--data_dir", data_dir, "--out_dir", str(run), "--resume", "auto"]
+    log = tmp_path / "train.log"
+    with open(log, "w") as out:
+        cmd = python_cmd("train", *flags, "--max_steps", "100000", "--save_every", "3")
+        proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(), stdout=out, stderr=out)
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "step_00000006" / "COMPLETE").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0 and "stop requested" in log.read_text()
+    newest = complete_checkpoints(run)[-1]
+    assert (
+        int(newest.name.removeprefix("step_")) >= 6 and json.loads((run / "model_config.json").read_text())["step"] == 4
+    )
+    note = f"note: {run}'s final weights are step 4's, but the run went on to its checkpoint {newest}"
+    sample = ["sample", "--prompt", "To be", "--max_new_tokens", "8", "--device", "cpu"]
+    got = run_cmd(python_cmd(*sample, "--checkpoint", str(run)))
+    assert note in got.stderr and got.stdout == run_cmd(python_cmd(*sample, "--checkpoint", str(newest))).stdout
+    scored = run_cmd(python_cmd("eval", "--checkpoint", str(run), "--data_dir", data_dir))
+    expected = run_cmd(python_cmd("eval", "--checkpoint", str(newest), "--data_dir", data_dir)).stdout
+    assert note in scored.stderr and json.loads(scored.stdout.splitlines()[-1]) == json.loads(expected.splitlines()[-1])
+    exported = run_cmd(python_cmd("export", "--checkpoint", str(run), "--out_dir", str(tmp_path / "hf")))
+    assert (
+        note in exported.stderr
+        and f"| optimizer steps | {newest.name.removeprefix('step_').lstrip('0')} of"
+        in (tmp_path / "hf" / "README.md").read_text()
+    )
 
 
 def test_a_run_dir_without_any_checkpoint_is_one_line(unfinished: Path, tmp_path: Path) -> None:
