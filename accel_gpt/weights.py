@@ -189,12 +189,10 @@ def checkpoint_past_final(run: Path) -> Path | None:
     done = complete_checkpoints(run)
     if card.picked or card.step is None or not done or _checkpoint_step(done[-1]) <= card.step:
         return None
-    if is_main_rank():
-        print(
-            f"note: {run}'s final weights are step {card.step}'s, but the run went on to its checkpoint "
-            f"{done[-1]} (continued, and not finished again): using that, its newest state",
-            file=sys.stderr,
-        )
+    _note(
+        f"{run}'s final weights are step {card.step}'s, but the run went on to its checkpoint {done[-1]} (continued, "
+        "and not finished again): using that, its newest state"
+    )
     return done[-1]
 
 
@@ -211,13 +209,17 @@ def newest_checkpoint(run: Path) -> Path:
             f"run dir {run} has no final weights and no complete checkpoint yet: wait for its first save "
             "(save_every), or pass a checkpoint folder"
         )
-    if is_main_rank():
-        print(
-            f"note: {run} has no final weights yet (a run still training, or stopped before its last step): "
-            f"using its newest checkpoint, {done[-1]}",
-            file=sys.stderr,
-        )
+    _note(
+        f"{run} has no final weights yet (a run still training, or stopped before its last step): using its newest "
+        f"checkpoint, {done[-1]}"
+    )
     return done[-1]
+
+
+def _note(text: str) -> None:
+    """Which weights a run dir gave, said once per launch on stderr (stdout is the command's result)."""
+    if is_main_rank():
+        print(f"note: {text}", file=sys.stderr)
 
 
 def read_marker(checkpoint: Path) -> dict[str, Any] | None:
