@@ -134,7 +134,9 @@ def megabytes(text: str) -> float:
 )
 def test_the_parameters_counted_from_the_config_are_the_models(settings: dict) -> None:
     """The estimate counts parameters without building the model (a shape far too large would take minutes)."""
-    cfg = TrainConfig(**({"data_dir": "x", "n_layer": 3, "n_head": 4, "n_embd": 32, "seq_len": 16, "vocab_size": 256} | settings))
+    cfg = TrainConfig(
+        **({"data_dir": "x", "n_layer": 3, "n_head": 4, "n_embd": 32, "seq_len": 16, "vocab_size": 256} | settings)
+    )
     model = GPT(GPTConfig(**cfg.model_settings()))
     matrices = sum(p.numel() for p in model.transformer.h.parameters() if p.dim() == 2)
     assert parameter_counts(cfg) == (sum(p.numel() for p in model.parameters()), matrices)
