@@ -25,24 +25,24 @@ tiktoken:
 	@$(PYTHON) -m accel_gpt.tiktoken_files
 
 venv:
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH)
+	@test -x "$(BIN)/python" || $(PYTHON) -m venv "$(VENV)"
+	@"$(BIN)/python" -c "import torch" 2>/dev/null || "$(BIN)/python" -m pip install --quiet $(TORCH)
 
 setup: venv
-	$(BIN)/python -m pip install --quiet -e ".[plot]"
+	"$(BIN)/python" -m pip install --quiet -e ".[plot]"
 
 setup-dev: venv
-	$(BIN)/python -m pip install --quiet -e ".[dev,plot]"
+	"$(BIN)/python" -m pip install --quiet -e ".[dev,plot]"
 
 quickstart: setup
-	$(BIN)/python run.py prepare
-	$(BIN)/python run.py train --config tiny-cpu --resume auto $(TRAIN_ARGS)
-	$(BIN)/python run.py sample --checkpoint runs/tiny-cpu --prompt "ROMEO:" --max_new_tokens 60
-	$(BIN)/python run.py plot runs/tiny-cpu --out runs/tiny-cpu.png
+	"$(BIN)/python" run.py prepare
+	"$(BIN)/python" run.py train --config tiny-cpu --resume auto $(TRAIN_ARGS)
+	"$(BIN)/python" run.py sample --checkpoint runs/tiny-cpu --prompt "ROMEO:" --max_new_tokens 60
+	"$(BIN)/python" run.py plot runs/tiny-cpu --out runs/tiny-cpu.png
 
 test: tiktoken setup-dev
-	$(BIN)/python -m pytest -q
+	"$(BIN)/python" -m pytest -q
 
 lint: setup-dev
-	$(BIN)/python -m ruff check .
-	$(BIN)/python -m ruff format --check .
+	"$(BIN)/python" -m ruff check .
+	"$(BIN)/python" -m ruff format --check .

@@ -521,12 +521,12 @@ def test_make_quickstart_on_a_fresh_copy(tmp_path: Path) -> None:
     files = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
     ).stdout.decode()
-    copy = tmp_path / "accel_gpt"
+    copy = tmp_path / "my clöne" / "accel_gpt"  # a space and a non-ASCII letter in every path make touches
     for name in filter(None, files.split("\0")):
         if (REPO / name).is_file():
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, copy / name)
-    venv = tmp_path / "venv"
+    venv = tmp_path / "my vénv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     (site_packages,) = venv.glob("lib/python*/site-packages")
     (site_packages / "outer.pth").write_text("\n".join(site.getsitepackages()) + "\n")
