@@ -482,7 +482,7 @@ def test_the_two_commands_are_the_readmes_first_and_ci_calls_the_second() -> Non
     ((offset, first),) = [(o, block_commands(b)) for o, b in code_blocks(two, "bash") if "make quickstart" in b]
     assert first == ["make quickstart", "make test"]
     assert "TIKTOKEN_CACHE_DIR" in two[:offset] and 'TORCH="torch --index-url https://download' in two[:offset]
-    quickstart = [line.replace("$(BIN)/python ", "python ") for line in make_recipe("quickstart")]
+    quickstart = [line.replace('"$(BIN)/python" ', "python ") for line in make_recipe("quickstart")]
     assert [line.replace(" $(TRAIN_ARGS)", "") for line in quickstart] == quickstart_commands()
     assert "$(TRAIN_ARGS)" in quickstart[1]  # the tests' fewer steps go to train alone
 
@@ -502,7 +502,7 @@ def test_the_two_commands_are_the_readmes_first_and_ci_calls_the_second() -> Non
     assert re.search(r"^TORCH \?= torch==2\.13\.0$", makefile, re.M)
     assert re.search(r"^\.NOTPARALLEL:", makefile, re.M)  # prerequisites in their order, even under -j
     assert any(line.endswith("-m pip install --quiet $(TORCH)") for line in make_recipe("venv"))
-    assert make_recipe("test") == ["$(BIN)/python -m pytest -q"]
+    assert make_recipe("test") == ['"$(BIN)/python" -m pytest -q']
     ci = (REPO / ".ci" / "run").read_text()
     assert re.search(r"^make lint$", ci, re.M) and re.search(r"^make test$", ci, re.M)
     assert "TIKTOKEN_CACHE_DIR" in ci and "TIKTOKEN_CACHE_DIR" in text
