@@ -352,3 +352,17 @@ def test_a_run_whose_weights_were_broken_is_not_held_in_skips(runs: dict) -> Non
     assert [r["step"] for r in rows(out)][-1] == 60 and (out / "model.safetensors").is_file()
     late = [s for s in skipped(out) if s > 21]
     assert 1 <= len(late) <= 4 and late[-1] <= 30, late  # a few skips soon after, then the new level is taken in
+
+
+@pytest.mark.slow
+def test_a_run_scales_its_outlier_gradients_and_says_so(runs: dict, tmp_path: Path) -> None:
+    """The gradient test alone (z 0.5: step 11's norm of 31, before judging began, widened the window), no grad_clip:
+    the planted batch's gradient is an outlier and is scaled to the window's bound, not skipped; its row says
+    `clipped`, the final line counts it, and the run trains to its end."""
+    out = tmp_path / "run"
+    proc = train(1, runs["root"] / "planted", out, "--spike_grad_zscore", "0.5", "--grad_clip", "0", "--log_every", "1")
+    written = rows(out)
+    clipped = [r["step"] for r in written if r.get("clipped")]
+    assert PLANTED in clipped and not skipped(out) and written[-1]["step"] == 30, [r["grad_norm"] for r in written]
+    assert all(step > 16 for step in clipped)  # nothing is judged before the window holds 16 steps
+    assert f"the spike guard skipped 0 step(s) and scaled down {len(clipped)} gradient(s)" in proc.stderr
