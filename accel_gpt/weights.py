@@ -185,12 +185,16 @@ def checkpoint_past_final(run: Path) -> Path | None:
     """The newest complete checkpoint of a run dir where it is newer than the run's final weights (the run was
     continued with a larger max_steps and has not finished again), said once on stderr; None where the final weights
     are the run's newest state (or were picked from an earlier checkpoint: `final_weights best`)."""
-    card = read_model_config(run)
+    try:  # only the step: the whole card (and its tokenizer) is read once, by `load_weights`, which names damage
+        meta = json.loads((run / MODEL_CONFIG).read_text(encoding="utf-8"))
+        step, picked = meta.get("step"), meta.get("picked")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
     done = complete_checkpoints(run)
-    if card.picked or card.step is None or not done or _checkpoint_step(done[-1]) <= card.step:
+    if picked or not isinstance(step, int) or not done or _checkpoint_step(done[-1]) <= step:
         return None
     _note(
-        f"{run}'s final weights are step {card.step}'s, but the run went on to its checkpoint {done[-1]} (continued, "
+        f"{run}'s final weights are step {step}'s, but the run went on to its checkpoint {done[-1]} (continued, "
         "and not finished again): using that, its newest state"
     )
     return done[-1]

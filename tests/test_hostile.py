@@ -376,33 +376,21 @@ def test_the_advice_for_a_data_folder_without_its_manifest_works(capsys, tmp_pat
 # works where it does not need them, or says so in one `error:` line naming the file, never a traceback. Run by a
 # worker that file modes bind even under root (`tests/workers/bound_by_permissions.py`).
 
+
+def resumed(run: Path, data: Path, *extra: str) -> list[str]:
+    """`train --resume auto` of `run` to step 6: a command that reads the whole run and writes into it."""
+    where = ["--data_dir", str(data), "--out_dir", str(run)]
+    return ["train", *TINY, *where, "--max_steps", "6", "--resume", "auto", *extra]
+
+
 UNWRITABLE = {  # (what, mode): the commands that write there
-    ("run", "555"): lambda run, data, new: [
-        ["train", *TINY, "--data_dir", str(data), "--out_dir", str(run), "--max_steps", "6", "--resume", "auto"]
-    ],  # fmt: skip
-    ("run/metrics.jsonl", "444"): lambda run, data, new: [
-        ["train", *TINY, "--data_dir", str(data), "--out_dir", str(run), "--max_steps", "6", "--resume", "auto"]
-    ],  # fmt: skip
-    ("run/checkpoints", "555"): lambda run, data, new: [
-        [
-            "train",
-            *TINY,
-            "--data_dir",
-            str(data),
-            "--out_dir",
-            str(run),
-            "--max_steps",
-            "6",
-            "--resume",
-            "auto",
-            "--save_every",
-            "6",
-        ]
-    ],  # fmt: skip
+    ("run", "555"): lambda run, data, new: [resumed(run, data)],
+    ("run/metrics.jsonl", "444"): lambda run, data, new: [resumed(run, data)],
+    ("run/checkpoints", "555"): lambda run, data, new: [resumed(run, data, "--save_every", "6")],
     ("new", "555"): lambda run, data, new: [
         ["export", "--checkpoint", str(run), "--out_dir", str(new / "x")],
         ["train", *TINY, "--data_dir", str(data), "--out_dir", str(new / "x"), "--max_steps", "1"],
-    ],  # fmt: skip
+    ],
 }
 
 
@@ -437,7 +425,7 @@ def test_files_the_process_may_not_read_or_write_are_named_in_one_line(
             *FOLDERS["run"](r, d, new),
             ["eval", "--checkpoint", str(r), "--data_dir", str(d), "--eval_windows", "4"],
             ["sample", "--checkpoint", str(r), "--max_new_tokens", "2"],
-            ["train", *TINY, "--data_dir", str(d), "--out_dir", str(r), "--max_steps", "6", "--resume", "auto"],
+            resumed(r, d),
         ],
     }
     i = 0
