@@ -6,9 +6,9 @@ The rules, and why:
   existing file, not a path under a file, not in a read-only place. These fail at the first write otherwise,
   after minutes of start-up, or worse, in the middle of a run.
 - A new run (`resume: none`) refuses a folder that holds another run's files (`RUN_FILES`): its final weights,
-  config.yaml and metrics.jsonl would be silently replaced or mixed with the new run's. A run that stopped before its
-  first step (`never_stepped`, whatever its settings) holds nothing to lose: its files are replaced, and the log says
-  so.
+  config.yaml and metrics.jsonl would be silently replaced or mixed with the new run's. A run of the same config that
+  stopped before its first step (`never_stepped`) holds nothing to lose: its files are replaced, and the log says so.
+  A new run refused in its first steps (`StartRefused`) takes back the files its own start wrote.
   `overwrite: true` removes those files (only those: nothing the trainer does not write) once every check has
   passed and the lock is held, before the new run writes anything, so nothing of the two runs mixes.
 - `resume: auto` or a checkpoint path continues the run the folder holds.
@@ -38,7 +38,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list
 
 from accel_gpt.bpe import TOKENIZER_FILE
-from accel_gpt.config import TrainConfig, save_yaml
+from accel_gpt.config import TrainConfig, save_yaml, yaml_text
 from accel_gpt.errors import StartRefused, UserError
 from accel_gpt.files import lock_holder, locked, remove
 
@@ -108,7 +108,7 @@ class RunDir:
     def _check_new_run(self) -> list[str]:
         """A new run's folder holds no other run, or `overwrite` says to replace it; returns the files to replace."""
         old = run_files(self.path) if self.cfg.resume == "none" else []
-        if old and not self.cfg.overwrite and not never_stepped(self.path):
+        if old and not self.cfg.overwrite and not never_stepped(self.path, self.cfg):
             raise UserError(
                 f"out_dir {self.path} holds another run ({', '.join(old)}); pass --resume auto to continue it, "
                 "--overwrite true to replace it, or use a new out_dir"
@@ -193,11 +193,16 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
     return data
 
 
-def never_stepped(folder: Path) -> bool:
-    """A run that stopped before its first step (bad data found after it claimed the folder, a budget shorter than a
-    step): it left its config.yaml and launch report but no weights, no checkpoint and no metrics row, nothing a new
-    run would lose, so the next command (the same one after the fix, or the one its error advised) is not refused as
-    "another run". Both files are looked for: a config.yaml alone may be a recipe the user keeps there."""
+# Settings a run records as it resolved them (`choices.py`): the same command leaves them at auto.
+AUTO_FIELDS = ("mixed_precision", "compile")
+
+
+def never_stepped(folder: Path, cfg: TrainConfig) -> bool:
+    """A run of this very config that stopped before its first step (e.g. on bad data found after it claimed the
+    folder): it left config.yaml and its launch report but no weights, no checkpoint and no metrics row, nothing a
+    new run would lose, so running the command again after the fix is not refused as "another run". Another config
+    is another run (`--overwrite true` replaces it); a config.yaml without the launch report may be a recipe the user
+    keeps there."""
     if not (folder / ENV_REPORT).is_file():
         return False
     if any((folder / name).exists() for name in ("model.safetensors", "model_config.json", TOKENIZER_FILE)):
@@ -208,9 +213,13 @@ def never_stepped(folder: Path) -> bool:
     if metrics.exists() and metrics.read_text(errors="replace").strip():
         return False
     try:
-        return "max_steps" in read_run_config(folder)
+        saved, current = read_run_config(folder), yaml.safe_load(yaml_text(cfg))
     except UserError:  # no config.yaml, or not one of ours
         return False
+    for name in AUTO_FIELDS:  # the run recorded what its auto resolved to
+        if current.get(name) == "auto" and name in saved:
+            current[name] = saved[name]
+    return saved == current
 
 
 def run_files(folder: Path) -> list[str]:
