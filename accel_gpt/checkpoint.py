@@ -52,6 +52,7 @@ import math
 import os
 import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,11 @@ from accel_gpt.weights import (
     MODEL_CONFIG,
     WEIGHTS,
     ModelCard,
+    checkpoint_name,
+    checkpoint_run,
     complete_checkpoints,
+    disowned,
+    folder_run,
     read_marker,
     read_model_config,
     save_weights,
@@ -141,6 +146,7 @@ class TrainState:
     segments: list[dict[str, Any]] = field(default_factory=list)
     budget: TimeBudget | None = None  # --time_budget: its spent step time rides in every checkpoint
     budget_record: dict[str, float] = field(default_factory=dict)  # as loaded: `TimeBudget.state` of the saver
+    run: str = ""  # the run's id (`weights.RUN_FILE`): "" in checkpoints from before it was recorded
 
     def advance(self, cfg: TrainConfig) -> None:
         """One optimizer step done: the position in the window stream follows from the global batch."""
@@ -158,6 +164,7 @@ class TrainState:
             "data_json": json.dumps(self.data),
             "num_processes": self.num_processes,
             "segments_json": json.dumps(self.segments),
+            "run": self.run,
             **({"spike_json": json.dumps(self.spike.state_dict())} if self.spike is not None else {}),
             **(self.budget.state() if self.budget is not None and self.budget.on else {}),
         }
@@ -171,15 +178,12 @@ class TrainState:
         self.data = json.loads(sd.get("data_json", "{}"))  # {} in checkpoints from before it was recorded
         self.num_processes = int(sd.get("num_processes", 0))
         self.segments = json.loads(sd.get("segments_json", "[]"))
+        self.run = str(sd.get("run", ""))
         self.budget_record = {k: float(sd[k]) for k in ("budget_spent", "budget_per_step") if k in sd}
         if self.budget is not None:  # a budget continues with what is left (none spent: saved without one)
             self.budget.resume(sd, self.step)
         if self.spike is not None and "spike_json" in sd:  # absent when saved with the guard off: it starts empty
             self.spike.load_state_dict(json.loads(sd["spike_json"]))
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 def data_identity(manifests: list[dict[str, Any]], weights: list[float]) -> dict[str, Any]:
@@ -262,7 +266,7 @@ class Checkpointer:
                     remove(tmp)  # gives the space back; the published checkpoints were never touched
             raise self._save_failed(final, error)
         if self.accelerator.is_main_process:
-            prune(self.out_dir, self.keep, self.keep_best)
+            prune(self.out_dir, self.keep, self.keep_best, self.state.run)
             logger.info(f"saved checkpoint {final}")
         self.accelerator.wait_for_everyone()
         return final
@@ -274,7 +278,7 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, final: Path, val_loss: float | None, weights: dict[str, Any] | None) -> None:
         """`weights`: under FSDP, the gathered state dict (see the module), written as model.safetensors."""
-        card = ModelCard(self.card.model, self.card.tokenizer, self.state.step, self.state.segments)
+        card = ModelCard(self.card.model, self.card.tokenizer, self.state.step, self.state.segments, run=self.state.run)
         if weights is None:
             write_model_config(tmp, card)
         else:
@@ -282,6 +286,7 @@ class Checkpointer:
         make_shareable(tmp)  # safetensors writes the weights 0600; the folder's other files have the umask's mode
         fsync_tree(tmp)  # the data must be on disk before the marker that vouches for it
         marker = {"step": self.state.step, "tokens_seen": self.state.tokens_seen, "val_loss": val_loss}
+        marker["run"] = self.state.run
         marker["sha256"] = checksums(tmp)  # a resume verifies them: damage that still reads must not load silently
         atomic_write_json(tmp / COMPLETE, marker)
         if final.exists():  # the same step saved again (e.g. resumed from an older checkpoint by path)
@@ -327,6 +332,7 @@ class Checkpointer:
         Everything is checked before anything is restored (its files against the checksums its marker recorded,
         too), the loaded weights must be finite; then the optimizer gets this run's settings back."""
         path = self._agreed_checkpoint(resume)
+        self._adopt_run(resume, path)  # before anything of it is read as this run's
         if path is None:
             if resume == "auto" and (self.out_dir / WEIGHTS).is_file():  # a finished run saved without checkpoints
                 raise UserError(
@@ -356,7 +362,7 @@ class Checkpointer:
                 f"cannot resume from {path}: it is at step {saved.step}, past max_steps={max_steps}; set --max_steps "
                 f"above {saved.step} to train on, or use its weights as they are"
             )
-        config, data, processes = self.state.config, self.state.data, self.state.num_processes
+        config, data, processes, run = self.state.config, self.state.data, self.state.num_processes, self.state.run
         try:
             self.accelerator.load_state(str(path))
         except Exception as e:
@@ -365,7 +371,7 @@ class Checkpointer:
             raise UserError(damaged(path, "its weights hold NaN or infinite values"))
         reset_micro_step(self.accelerator)
         # the run goes on under the config it was started with now, in this group
-        self.state.config, self.state.data, self.state.num_processes = config, data, processes
+        self.state.config, self.state.data, self.state.num_processes, self.state.run = config, data, processes, run
         if saved.num_processes and saved.num_processes != processes:
             logger.warning(other_group_note(path, saved.num_processes, processes))
         apply_settings(self.optimizer, config)
@@ -379,6 +385,29 @@ class Checkpointer:
             self.rollback_from = self.state.step
         self._begin_segment()
         logger.info(f"resumed from {path} at step {self.state.step}")
+
+    def _adopt_run(self, resume: str, path: Path | None) -> None:
+        """The run's id, the same on every rank: a new run's is new; a resume keeps the folder's (`RUN_FILE`), else
+        its checkpoint's. Before any file is read as the run's, everything in out_dir must be its own (`disowned`),
+        and a checkpoint resumed by path must be of the run the folder holds: continuing another here mixes two."""
+        error, run = None, ""
+        if self.accelerator.is_main_process:
+            try:
+                here = folder_run(self.out_dir) if resume != "none" else None
+                theirs = checkpoint_run(path) if path is not None else None
+                if resume not in ("auto", "none") and here and theirs and here != theirs:
+                    error = (
+                        f"checkpoint {path} was saved by another run ({theirs}) than the one out_dir {self.out_dir} "
+                        f"holds ({here}): continue that run with a new --out_dir, or start from its weights with "
+                        f"--init_from {path}"
+                    )
+                else:
+                    run = here or theirs or uuid.uuid4().hex[:16]
+                    error = disowned(self.out_dir, run) if resume != "none" else None
+            except UserError as e:
+                error = str(e)
+        stop_together(self.accelerator, error)
+        self.state.run = same_on_every_rank(self.accelerator, run) or ""
 
     def _begin_segment(self) -> None:
         """This start of the run, in the history its saves carry (one that trained no step before it is replaced)."""
@@ -450,10 +479,11 @@ def damaged(checkpoint: Path, what: str) -> str:
     return f"checkpoint {checkpoint} is damaged: {what}; {before}"
 
 
-def prune(out_dir: str | Path, keep: int, keep_best: bool) -> None:
+def prune(out_dir: str | Path, keep: int, keep_best: bool, run: str | None = None) -> None:
     """Delete all but the newest `keep` complete checkpoints (0 keeps all), and with `keep_best` also keep the
-    one whose own weights had the lowest validation loss (a marker without a finite one is unscored)."""
-    done = complete_checkpoints(out_dir)
+    one whose own weights had the lowest validation loss (a marker without a finite one is unscored). Only the
+    checkpoints of `run` (and those from before ids) are candidates: a run deletes only what it wrote."""
+    done = [p for p in complete_checkpoints(out_dir) if run is None or checkpoint_run(p) in (None, run)]
     keepers = set(done[-keep:]) if keep > 0 else set(done)
     best = best_checkpoint(out_dir) if keep_best else None
     if best is not None:

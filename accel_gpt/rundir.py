@@ -41,6 +41,7 @@ from accel_gpt.bpe import TOKENIZER_FILE
 from accel_gpt.config import TrainConfig, save_yaml, yaml_text
 from accel_gpt.errors import StartRefused, UserError
 from accel_gpt.files import lock_holder, locked, remove
+from accel_gpt.weights import RUN_FILE, write_folder_run
 
 logger = get_logger(__name__)
 
@@ -54,6 +55,7 @@ RUN_FILES = (
     "model_config.json",
     TOKENIZER_FILE,  # a bpe run's tokenizer, beside its final weights
     ENV_REPORT,
+    RUN_FILE,
     "checkpoints",
     "logs",
 )
@@ -71,9 +73,10 @@ class RunDir:
         self._check_new_run()
 
     @contextlib.contextmanager
-    def start(self, accelerator: Accelerator) -> Iterator[None]:
+    def start(self, accelerator: Accelerator, run: str) -> Iterator[None]:
         """Hold the lock (main process) while the body runs; before it, replace an old run (`overwrite`) and write
-        config.yaml, accelerate_env.txt and the trackers. A failure on the main process stops every rank."""
+        config.yaml, accelerate_env.txt, the run's id (`run`) and the trackers. A failure on the main process stops
+        every rank."""
         with contextlib.ExitStack() as stack:
             error = None
             if accelerator.is_main_process:
@@ -83,6 +86,7 @@ class RunDir:
                     self._remove_old_run()
                     save_yaml(self.cfg, self.path / CONFIG_FILE)
                     (self.path / ENV_REPORT).write_text(accelerate_env_report(accelerator))
+                    write_folder_run(self.path, run)
                 except (UserError, OSError) as e:
                     error = str(e) if isinstance(e, UserError) else f"cannot write to out_dir {self.path}: {e}"
             error = same_on_every_rank(accelerator, error)

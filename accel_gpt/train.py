@@ -84,7 +84,7 @@ def train(cfg: TrainConfig) -> None:
     checkpointer.resume(cfg.resume)
     run.scheduler.scheduler.refresh()  # a resumed time budget (restored after the schedule) moves its horizon
     evaluator = Evaluator(cfg, accelerator, run.model, run.card, run.splits)
-    with run_dir.start(accelerator), StopSignal(accelerator) as stop:  # the lock, held until the run ends
+    with run_dir.start(accelerator, state.run), StopSignal(accelerator) as stop:  # the lock, held until the run ends
         checkpointer.retire_later_line()  # resumed by path: the old line's later checkpoints are moved aside
         horizon = run.budget.horizon if run.budget.on else None  # the bar's total and ETA follow a budget
         schedule, vocab = run.scheduler.scheduler, run.card.tokenizer.vocab_size
@@ -393,7 +393,7 @@ def save_final(cfg: TrainConfig, accelerator: Accelerator, run: Run, state: Trai
             state_dict = model.state_dict()
     else:
         state_dict = accelerator.get_state_dict(run.model)
-        card = ModelCard(run.card.model, run.card.tokenizer, state.step, state.segments)
+        card = ModelCard(run.card.model, run.card.tokenizer, state.step, state.segments, run=state.run)
     what = f"the weights of step {state.step if best is None else best_step}"
     if best is not None:
         what += f", whose val_loss ({best[1]:.4f}) is the lowest of the run's evaluated checkpoints"

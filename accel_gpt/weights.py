@@ -12,6 +12,11 @@ them can be pointed at with `--checkpoint`. The weights are stored under the GPT
 names; GPT-2's tied `lm_head.weight` is left out (it is `transformer.wte.weight`), nanochat's untied one is kept.
 A checkpoint folder counts once its `COMPLETE` marker is readable (`complete_checkpoints`); a run dir without final
 weights (still training, or stopped early) is read as its newest complete checkpoint.
+
+Which run wrote them: a run has an id, kept in `run.json` in its folder and in every marker and card it writes
+(`"run"`), so that a checkpoint or final weights copied in from another run, or a checkpoint folder renamed to a step
+it does not hold, are refused in one line (`disowned`) instead of being resumed, read, rotated or deleted as the
+run's own. Files from before ids were recorded carry none, and count as any run's.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ MODEL_CONFIG = "model_config.json"
 TIED_HEAD = "lm_head.weight"  # GPT-2's: stored once, as transformer.wte.weight
 CHECKPOINTS = "checkpoints"  # a run dir's folder of step_* checkpoints
 COMPLETE = "COMPLETE"  # a checkpoint's marker, written last: the folder is complete
+RUN_FILE = "run.json"  # {"run": id}: the run a run dir holds
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +58,12 @@ class ModelCard:
     history: list[dict[str, Any]] | None = None
     # Weights picked among the run's checkpoints (`final_weights best`): {"val_loss", "last_step"} of the run.
     picked: dict[str, Any] | None = None
+    run: str | None = None  # the id of the run that trained them (`RUN_FILE`)
 
     def to_dict(self) -> dict[str, Any]:
         card = {"model": self.model.to_dict(), "tokenizer": self.tokenizer.to_dict(), "step": self.step}
-        return card | {k: v for k, v in (("history", self.history), ("picked", self.picked)) if v is not None}
+        extra = (("history", self.history), ("picked", self.picked), ("run", self.run))
+        return card | {k: v for k, v in extra if v is not None}
 
 
 def write_model_config(folder: Path, card: ModelCard) -> None:
@@ -69,7 +77,7 @@ def read_model_config(folder: Path) -> ModelCard:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
         model, tokenizer = GPTConfig(**meta["model"]), Tokenizer.from_dict(meta["tokenizer"], folder)
-        card = ModelCard(model, tokenizer, meta.get("step"), meta.get("history"), meta.get("picked"))
+        card = ModelCard(model, tokenizer, meta.get("step"), meta.get("history"), meta.get("picked"), meta.get("run"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"{path} is not a readable accel_gpt model config ({type(e).__name__}: {e})") from None
     if tokenizer.name == "bpe":  # its tokenizer.json missing or changed: one line now (GPT-2's files load on use)
@@ -129,6 +137,8 @@ def check_as_saved(folder: Path) -> None:
     marker = read_marker(folder)
     if marker is None and folder.parent.name == CHECKPOINTS and folder.name.startswith("step_"):
         raise UserError(f"checkpoint {folder} is incomplete (no readable {COMPLETE} marker: its save did not finish)")
+    if marker is not None and (misnamed := misnamed_checkpoint(folder)):
+        raise UserError(misnamed)
     changed = unlike_recorded(folder, names=(WEIGHTS, MODEL_CONFIG))
     if changed is not None:
         raise UserError(f"checkpoint {folder} is damaged: {changed}; use another checkpoint")
@@ -159,6 +169,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GP
     """A run dir, a checkpoint dir, or a transformers GPT-2 / NanoChat folder or hub id -> (model in eval mode, its
     card)."""
     p = Path(path)
+    if (p / CHECKPOINTS).is_dir() or (p / RUN_FILE).is_file():
+        check_own(p)  # a run dir: what it holds must be its own before its newest state is picked
     if (p / MODEL_CONFIG).is_file():
         model, card = load_weights(checkpoint_past_final(p) or p)
     elif (p / CHECKPOINTS).is_dir():
@@ -262,3 +274,88 @@ def _warn(message: str) -> None:
 def _looks_like_hub_id(name: str) -> bool:
     """`gpt2` or `org/name`: no path separators beyond one slash, no leading dot or slash."""
     return not name.startswith((".", "/", "~")) and name.count("/") <= 1 and bool(name.strip())
+
+
+def folder_run(out_dir: str | Path) -> str | None:
+    """The id of the run a run dir holds (`RUN_FILE`), or None for a folder without one (a run from before ids)."""
+    path = Path(out_dir) / RUN_FILE
+    if not path.exists():
+        return None
+    try:
+        run = json.loads(path.read_text(encoding="utf-8")).get("run")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise UserError(f"{path} is not a readable run id ({type(e).__name__}: {e}); restore it or remove it") from None
+    if not isinstance(run, str) or not run:
+        raise UserError(f"{path} holds no run id; restore it or remove it")
+    return run
+
+
+def write_folder_run(out_dir: str | Path, run: str) -> None:
+    atomic_write_json(Path(out_dir) / RUN_FILE, {"run": run})
+
+
+def checkpoint_run(checkpoint: Path) -> str | None:
+    """The id of the run that saved a complete checkpoint (None: saved before ids were recorded)."""
+    run = (read_marker(checkpoint) or {}).get("run")
+    return run if isinstance(run, str) else None
+
+
+def misnamed_checkpoint(checkpoint: Path) -> str | None:
+    """One line when a complete checkpoint's folder name is not the step its marker vouches for (renamed, or another
+    step copied over it): resuming or reading it by its name would give another step's state."""
+    step = (read_marker(checkpoint) or {}).get("step")
+    if not checkpoint.name.startswith("step_") or step is None or checkpoint.name == checkpoint_name(step):
+        return None
+    return (
+        f"checkpoint {checkpoint} holds step {step}'s state (its {COMPLETE} marker), not the step its name says: "
+        f"rename it {checkpoint_name(step)} if it is this run's, or move it out of {checkpoint.parent}"
+    )
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def disowned(out_dir: str | Path, run: str | None = None) -> str | None:
+    """One line on the first thing in a run dir that is not the run's own, None when all is: a checkpoint whose name
+    is not the step it holds, or checkpoints or final weights saved by another run than `run` (default: the id in
+    the folder's `RUN_FILE`, else that of its newest checkpoint). Such files were copied in, restored from another
+    run's backup or renamed; resuming, reading or pruning them as the run's own would mix two runs."""
+    out_dir = Path(out_dir)
+    done = complete_checkpoints(out_dir)
+    misnamed = next((m for p in done if (m := misnamed_checkpoint(p))), None)
+    if misnamed:
+        return misnamed
+    run = run or folder_run(out_dir) or next((r for p in reversed(done) if (r := checkpoint_run(p))), None)
+    if run is None:
+        return None
+    where = f"run {run}, which {out_dir} holds"
+    for p in done:
+        theirs = checkpoint_run(p)
+        if theirs not in (None, run):
+            return (
+                f"checkpoint {p} was saved by another run ({theirs}) than {where}: move it out of "
+                f"{out_dir / CHECKPOINTS} (to continue that run, resume it by path with a new --out_dir)"
+            )
+    final = _card_run(out_dir)
+    if final not in (None, run):
+        return (
+            f"the final weights {out_dir / WEIGHTS} were trained by another run ({final}) than {where}: move "
+            f"them and their {MODEL_CONFIG} out of {out_dir}"
+        )
+    return None
+
+
+def check_own(out_dir: str | Path, run: str | None = None) -> None:
+    """Raise `disowned`'s line, if any."""
+    message = disowned(out_dir, run)
+    if message:
+        raise UserError(message)
+
+
+def _card_run(folder: Path) -> str | None:
+    try:
+        run = json.loads((folder / MODEL_CONFIG).read_text(encoding="utf-8")).get("run")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None  # no final weights, or damaged ones: `load_weights` names damage
+    return run if isinstance(run, str) else None

@@ -1,0 +1,161 @@
+"""A run reads, resumes, rotates and deletes only what it wrote: checkpoints or final weights copied in from another
+run, and a checkpoint folder renamed to a step it does not hold, are refused in one line by train, eval, sample and
+export, and nothing of the run's own changes. Two real runs (A: seed 1, B: seed 2) on one data folder; each case
+works on a copy of A.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import python_cmd, run_cmd, write_token_shards
+
+from accel_gpt.checkpoint import prune
+from accel_gpt.data.shards import sha256_file
+from accel_gpt.weights import COMPLETE, RUN_FILE, complete_checkpoints, disowned, folder_run
+
+VOCAB = 256
+TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--vocab_size", str(VOCAB)]
+TINY += ["--micro_batch_size", "2", "--total_batch_size", "32", "--eval_every", "0", "--save_every", "2"]
+TINY += ["--keep_checkpoints", "0", "--sample_tokens", "0", "--log_with", "none"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ownership")
+    tokens = [(i * 7 + i // 13) % VOCAB for i in range(6000)]
+    data = write_token_shards(root / "data", tokens, vocab_size=VOCAB)
+    for name, seed, steps in (("A", "1", "4"), ("B", "2", "6")):
+        run_cmd(python_cmd("train", *TINY, "--seed", seed, "--max_steps", steps, "--data_dir", str(data),
+                           "--out_dir", str(root / name)))  # fmt: skip
+    return {"A": root / "A", "B": root / "B", "data": data}
+
+
+def train(runs: dict[str, Path], out: Path, *args: str, check: bool = True) -> str:
+    proc = run_cmd(
+        python_cmd("train", *TINY, "--seed", "1", "--data_dir", str(runs["data"]), "--out_dir", str(out), *args),
+        check=check,
+    )
+    return proc.stderr
+
+
+def refused(args: list[str]) -> str:
+    """A command that exits 2 with one `error:` line: that line."""
+    proc = run_cmd(python_cmd(*args), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+def readers(run: Path, tmp_path: Path) -> list[list[str]]:
+    """eval, sample and export of a run dir, as users point them at it."""
+    return [
+        ["eval", "--checkpoint", str(run), "--data_dir", str(run.parent / "data"), "--eval_windows", "2"],
+        ["sample", "--checkpoint", str(run), "--prompt", "ab", "--max_new_tokens", "2"],
+        ["export", "--checkpoint", str(run), "--out_dir", str(tmp_path / "export")],
+    ]
+
+
+def test_every_file_a_run_writes_carries_its_id(runs: dict[str, Path]) -> None:
+    a, b = folder_run(runs["A"]), folder_run(runs["B"])
+    assert a and b and a != b
+    for p in complete_checkpoints(runs["A"]):
+        assert json.loads((p / COMPLETE).read_text())["run"] == a
+        assert json.loads((p / "model_config.json").read_text())["run"] == a
+    assert json.loads((runs["A"] / "model_config.json").read_text())["run"] == a
+    assert disowned(runs["A"]) is None and disowned(runs["B"]) is None
+
+
+def test_a_checkpoint_copied_in_from_another_run_is_refused_and_nothing_of_the_run_changes(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    a = tmp_path / "A"
+    shutil.copytree(runs["A"], a)
+    shutil.copytree(runs["B"] / "checkpoints" / "step_00000006", a / "checkpoints" / "step_00000006")
+    before = snapshot(a)
+    line = refused(["train", *TINY, "--seed", "1", "--max_steps", "8", "--resume", "auto",
+                    "--data_dir", str(runs["data"]), "--out_dir", str(a)])  # fmt: skip
+    assert "step_00000006 was saved by another run" in line and f"move it out of {a / 'checkpoints'}" in line, line
+    for args in readers(a, tmp_path):
+        assert "step_00000006 was saved by another run" in refused(args), args
+    assert snapshot(a) == before, "a refused command changed the run's files"
+    shutil.rmtree(a / "checkpoints" / "step_00000006")  # what the line says to do: then the run goes on
+    assert "finished at step 8/8" in train(runs, a, "--max_steps", "8", "--resume", "auto")
+    assert folder_run(a) == folder_run(runs["A"])
+
+
+def test_a_checkpoint_of_another_run_resumed_by_path_into_this_run_is_refused(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """By path into A's folder it would mix two runs (and retire A's later checkpoints); into a new folder it is that
+    run continued, and keeps its id."""
+    a = tmp_path / "A"
+    shutil.copytree(runs["A"], a)
+    theirs = runs["B"] / "checkpoints" / "step_00000002"
+    before = snapshot(a)
+    line = refused(["train", *TINY, "--seed", "2", "--max_steps", "8", "--resume", str(theirs),
+                    "--data_dir", str(runs["data"]), "--out_dir", str(a)])  # fmt: skip
+    assert "was saved by another run" in line and f"--init_from {theirs}" in line, line
+    assert snapshot(a) == before
+    moved = tmp_path / "B_continued"
+    run_cmd(python_cmd("train", *TINY, "--seed", "2", "--max_steps", "4", "--resume", str(theirs),
+                       "--data_dir", str(runs["data"]), "--out_dir", str(moved)))  # fmt: skip
+    assert folder_run(moved) == folder_run(runs["B"])
+
+
+def test_a_checkpoint_folder_renamed_to_another_step_is_refused(runs: dict[str, Path], tmp_path: Path) -> None:
+    a = tmp_path / "A"
+    shutil.copytree(runs["A"], a)
+    (a / "checkpoints" / "step_00000002").rename(a / "checkpoints" / "step_00000009")
+    line = refused(["train", *TINY, "--seed", "1", "--max_steps", "12", "--resume", "auto",
+                    "--data_dir", str(runs["data"]), "--out_dir", str(a)])  # fmt: skip
+    assert "step_00000009 holds step 2's state" in line and "rename it step_00000002" in line, line
+    by_path = ["sample", "--checkpoint", str(a / "checkpoints" / "step_00000009"), "--prompt", "ab"]
+    assert "holds step 2's state" in refused(by_path)
+    assert "holds step 2's state" in refused(readers(a, tmp_path)[1])
+
+
+def test_final_weights_of_another_run_are_refused(runs: dict[str, Path], tmp_path: Path) -> None:
+    a = tmp_path / "A"
+    shutil.copytree(runs["A"], a)
+    for name in ("model.safetensors", "model_config.json"):
+        shutil.copy2(runs["B"] / name, a / name)
+    for args in readers(a, tmp_path):
+        assert "the final weights" in (line := refused(args)) and "another run" in line, line
+
+
+def test_a_run_from_before_ids_resumes_and_takes_one(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Checkpoints and weights without an id (saved before ids were recorded) count as the run's own."""
+    a = tmp_path / "A"
+    shutil.copytree(runs["A"], a)
+    (a / RUN_FILE).unlink()
+    for p in [*complete_checkpoints(a), a]:
+        card = json.loads((p / "model_config.json").read_text())
+        card.pop("run")
+        (p / "model_config.json").write_text(json.dumps(card))
+        if (p / COMPLETE).is_file():
+            marker = json.loads((p / COMPLETE).read_text())
+            marker.pop("run")
+            marker["sha256"]["model_config.json"] = sha256_file(p / "model_config.json")
+            (p / COMPLETE).write_text(json.dumps(marker))
+    assert disowned(a) is None
+    assert "finished at step 6/6" in train(runs, a, "--max_steps", "6", "--resume", "auto")
+    assert folder_run(a) and disowned(a) is None
+
+
+def test_prune_deletes_only_the_runs_own_checkpoints(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for step, run in ((2, "mine"), (4, "theirs"), (6, None), (8, "mine"), (10, "mine")):
+        folder = root / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / COMPLETE).write_text(json.dumps({"step": step} | ({"run": run} if run else {})))
+    prune(tmp_path, keep=1, keep_best=False, run="mine")
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000010"]
