@@ -95,6 +95,7 @@ from accel_gpt.weights import (
     complete_checkpoints,
     disowned,
     folder_run,
+    is_checkpoint_name,
     read_marker,
     read_model_config,
     save_weights,
@@ -289,8 +290,12 @@ class Checkpointer:
         marker["run"] = self.state.run
         marker["sha256"] = checksums(tmp)  # a resume verifies them: damage that still reads must not load silently
         atomic_write_json(tmp / COMPLETE, marker)
-        if final.exists():  # the same step saved again (e.g. resumed from an older checkpoint by path)
-            _remove(final)
+        if final.exists() and read_marker(final) is not None and checkpoint_run(final) in (None, self.state.run):
+            _remove(final)  # the same step saved again (e.g. resumed from an older checkpoint by path)
+        elif final.exists():  # a folder this run did not write: kept, out of the way
+            aside = aside_folder(final.parent) / final.name
+            os.replace(final, aside)
+            logger.warning(f"{final} was not a checkpoint of this run: moved it to {aside} (nothing deleted)")
         publish(tmp, final)
 
     def _agreed_checkpoint(self, resume: str) -> Path | None:
@@ -514,14 +519,11 @@ def retire_after(out_dir: str | Path, step: int) -> list[str]:
     `checkpoints/retired-<UTC time>/` with a copy of metrics.jsonl. Returns [that folder, what moved...] or []."""
     out_dir = Path(out_dir)
     root = out_dir / CHECKPOINTS
-    later = [p for p in sorted(root.glob("step_*")) if _step_of(p) > step] if root.is_dir() else []
+    later = [p for p in sorted(root.glob("step_*")) if is_checkpoint_name(p.name) and _step_of(p) > step]
     final = _final_step(out_dir)
     if not later and (final is None or final <= step):
         return []
-    folder = root / f"{RETIRED_PREFIX}{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-    while folder.exists():
-        folder = folder.with_name(folder.name + "_")
-    folder.mkdir(parents=True)
+    folder = aside_folder(root)
     moved = [folder.name]
     for p in later:
         os.replace(p, folder / p.name)
@@ -538,6 +540,15 @@ def retire_after(out_dir: str | Path, step: int) -> list[str]:
     fsync_dir(out_dir)
     moved[0] = str(folder)
     return moved
+
+
+def aside_folder(root: Path) -> Path:
+    """A new `checkpoints/retired-<UTC time>/`, for folders moved out of the run's line (nothing is deleted)."""
+    folder = root / f"{RETIRED_PREFIX}{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    while folder.exists():
+        folder = folder.with_name(folder.name + "_")
+    folder.mkdir(parents=True)
+    return folder
 
 
 def _step_of(checkpoint: Path) -> int:

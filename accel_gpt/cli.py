@@ -151,6 +151,7 @@ OS_ERROR_HINTS = {
     errno.EMFILE: "raise the limit with `ulimit -n`, or give fewer --num_workers",
     errno.ENFILE: "close some programs and try again",
     errno.EIO: "the disk or its filesystem failed to read or write: check it (dmesg) and try again",
+    errno.EFBIG: "a file size limit: raise `ulimit -f` (ulimit -f unlimited), or the filesystem's largest file",
 }
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from accel_gpt.errors import UserError
+from accel_gpt.limits import file_size_limit, file_size_reason
 
 TMP_MARK = ".tmp-"  # in the name of every temporary sibling: `.NAME.tmp-PID`
 
@@ -187,6 +188,9 @@ def write_failure(folder: Path, write: Callable[[], object], needed: int = 0) ->
         after = free_bytes(folder)
         if says_disk_full(e) or (free is not None and needed > free) or (after is not None and after < FULL_DISK_BYTES):
             return no_space(needed, free)
+        limit = file_size_limit()  # torch's writer says EFBIG as "iostream error"
+        if limit is not None and (needed >= limit or (isinstance(e, OSError) and e.errno == errno.EFBIG)):
+            return file_size_reason(limit)
         if isinstance(e, OSError):
             return str(e)
         raise

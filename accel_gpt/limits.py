@@ -1,5 +1,6 @@
 """The limits a process lives under besides the machine's: its cgroups' CPU quota and memory limit (v1 or v2, its
-own cgroup and every one above it: a container, a SLURM job, a systemd slice) and the ulimits that cap its memory.
+own cgroup and every one above it: a container, a SLURM job, a systemd slice) and the ulimits that cap its memory,
+its open files and the size of the files it writes.
 
 Why: the machine's core count and free memory are not this process's to use when a container or a job scheduler
 gives it less. The thread count (`threads.py`) and the memory check (`memory.py`) read them here; each function
@@ -62,6 +63,32 @@ def check_open_files(workers: int) -> str | None:
         "pass batches through file descriptors; below that a worker dies and the run waits for it): raise it "
         f"(ulimit -n 1024) or give --num_workers 0"
     )
+
+
+def file_size_limit() -> int | None:
+    """The largest file this process may write (`ulimit -f`: RLIMIT_FSIZE), or None where there is no limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def check_file_size(largest: int, name: str) -> str | None:
+    """Why `ulimit -f` stops a run whose largest file (`name`) is about `largest` bytes, or None where it does not:
+    said before the run, not after it has trained up to its first save."""
+    limit = file_size_limit()
+    if limit is None or largest <= limit:
+        return None
+    return (
+        f"this run writes files of about {_mb(largest)} ({name}), over the file size limit (ulimit -f: {_mb(limit)}):"
+        " raise it (ulimit -f unlimited)"
+    )
+
+
+def file_size_reason(limit: int) -> str:
+    return f"a file reached the file size limit (ulimit -f: {_mb(limit)}); raise it (ulimit -f unlimited)"
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:,.1f} MB" if size >= 1e6 else f"{size / 1e3:,.0f} kB"
 
 
 def _on_path(root: Path, controller: str, v2: Callable[[Path], float | None], v1: Callable[[Path], float | None]):

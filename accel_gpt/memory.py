@@ -118,22 +118,33 @@ def activation_bytes(cfg: TrainConfig, half: bool) -> int:
     return blocks + logits
 
 
-def available(device: torch.device, local_processes: int) -> int | None:
-    """Bytes this process may use: the GPU's free memory, or the machine's available memory (within its cgroups'
-    limits) shared by the processes on it, and within its own ulimit (`limits.py`). None where it cannot be told."""
+def available(device: torch.device, local_processes: int) -> tuple[int | None, str]:
+    """Bytes this process may use, and the limit that sets it: the GPU's free memory, or the machine's available
+    memory (within its cgroups' limits) shared by the processes on it, and within its own ulimit (`limits.py`).
+    None where it cannot be told."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device)[0], "free on the GPU"
     if device.type != "cpu":
-        return None
+        return None, ""
     # the process's own ulimit is its alone; the machine's and the cgroup's room is shared by the local processes
-    shared = [size for size in (_meminfo_available(), cgroup_memory_room()) if size is not None]
-    sizes = ([min(shared) // max(1, local_processes)] if shared else []) + [
-        size for size in (rlimit_memory_room(),) if size is not None
-    ]
-    return min(sizes) if sizes else None
+    share = f"shared by its {local_processes} processes on this machine" if local_processes > 1 else ""
+    rooms = {
+        "the machine's available memory": _meminfo_available(),
+        "its cgroup's memory limit (a container's or a job's)": cgroup_memory_room(),
+    }
+    limits = {name: size // max(1, local_processes) for name, size in rooms.items() if size is not None}
+    limits = {(f"{name}, {share}" if share else name): size for name, size in limits.items()}
+    if (size := rlimit_memory_room()) is not None:
+        limits["its ulimit (ulimit -v or -d)"] = size
+    if not limits:
+        return None, ""
+    name = min(limits, key=limits.__getitem__)
+    return limits[name], name
 
 
-def check_fits(need: MemoryNeed, room: int | None, cfg: TrainConfig, device: torch.device) -> None:
+def check_fits(
+    need: MemoryNeed, room: int | None, cfg: TrainConfig, device: torch.device, limit: str = "its free memory"
+) -> None:
     """Refuse a run whose need is over what the device has, in one line naming what lowers it. On a GPU the
     estimate is not yet checked against a measured peak (torch.compile fuses the loss and keeps fewer
     activations), so there it is a warning: the first step's out-of-memory error would follow within seconds."""
@@ -154,8 +165,7 @@ def check_fits(need: MemoryNeed, room: int | None, cfg: TrainConfig, device: tor
     lower.append("the model's shape (n_layer, n_embd)")
     resident = f", {factor}x that resident on a CPU" if factor != 1.0 else ""
     raise ConfigError(
-        f"this run needs {need.describe()}{resident}, but the {device.type} has {gb(room)} free for each of its "
-        "processes: "
+        f"this run needs {need.describe()}{resident}, but each process may use {gb(room)} ({limit}): "
         f"lower {', '.join(lower)}; or --check_memory false to try anyway"
     )
 
@@ -242,7 +252,7 @@ class MemoryBudget:
 def budget(cfg: TrainConfig, accelerator: Accelerator) -> MemoryBudget:
     """Estimate the need of `cfg` under `accelerator`'s launch from the config alone, and refuse it where it cannot
     fit (see `check_fits`): before the model exists, which for a shape far too large would itself take minutes."""
-    room = available(accelerator.device, local_processes(accelerator))
+    room, limit = available(accelerator.device, local_processes(accelerator))
     peak = PeakMemory(accelerator.device)
     params, matrices = parameter_counts(cfg)
     fsdp = accelerator.distributed_type == DistributedType.FSDP
@@ -251,7 +261,7 @@ def budget(cfg: TrainConfig, accelerator: Accelerator) -> MemoryBudget:
     muon = matrices if cfg.optimizer == "muon" else 0
     cpu = accelerator.device.type == "cpu"
     need = estimate(cfg, params, muon, accelerator.num_processes, fsdp, half, kept, cpu)
-    check_fits(need, room, cfg, accelerator.device)
+    check_fits(need, room, cfg, accelerator.device, limit)
     return MemoryBudget(need, room, peak)
 
 

@@ -49,14 +49,17 @@ class MetricsFile:
             said = f"{self.path} is {what}, where the run writes its metrics rows"
             raise UserError(f"{said}: move it aside and run again")
 
-    def truncate_after(self, step: int) -> None:
+    def truncate_after(self, step: int) -> int | None:
         """Keep only rows up to `step`: a resumed run writes what follows again. A torn last line, or any line
-        that is not a row with an integer step (the file is the user's too), is dropped rather than stop a resume."""
-        if not self.enabled or not self.path.exists():
-            return
-        rows = read_metrics(self.path)
-        kept = [json.dumps(row) + "\n" for row in rows if isinstance(row.get("step"), int) and row["step"] <= step]
-        atomic_write(self.path, "".join(kept))
+        that is not a row with an integer step (the file is the user's too), is dropped rather than stop a resume.
+        Returns the last step kept (0: none; None where this process does not write the file)."""
+        if not self.enabled:
+            return None
+        if not self.path.exists():
+            return 0
+        rows = [row for row in read_metrics(self.path) if isinstance(row.get("step"), int) and row["step"] <= step]
+        atomic_write(self.path, "".join(json.dumps(row) + "\n" for row in rows))
+        return max((row["step"] for row in rows), default=0)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

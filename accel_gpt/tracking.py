@@ -136,7 +136,13 @@ class MetricsLogger:
         self.out_dir = Path(cfg.out_dir)
         self.file = MetricsFile(self.out_dir / METRICS, accelerator.is_main_process)
         self.file.check()  # on every rank: all see the one out_dir
-        self.file.truncate_after(step)  # rows past a resumed step are written again (an attempt may have logged them)
+        last = self.file.truncate_after(step)  # rows past a resumed step are written again (an attempt logged them)
+        if last is not None and last < step:  # a save writes its rows first: its run's file reaches its step
+            logger.warning(
+                f"{self.file.path} holds rows up to step {last} only, and the run resumes at step {step}: the rows "
+                f"of steps {last + 1}-{step} are not in it (a checkpoint of a copy of this run that went on elsewhere, "
+                "or the file restored from an older backup)"
+            )
         self.progress = tqdm(  # a budget's total comes with its horizon (none before the first timed step)
             total=None if horizon else cfg.max_steps,
             initial=step,

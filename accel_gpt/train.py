@@ -47,8 +47,8 @@ from accel_gpt.data.loader import WindowSampler, check_vocab, train_windows
 from accel_gpt.errors import ConfigError, DataError, UserError
 from accel_gpt.evaluate.evaluator import Evaluator
 from accel_gpt.files import tensor_bytes, write_failure
-from accel_gpt.limits import check_open_files
-from accel_gpt.memory import MemoryBudget, budget
+from accel_gpt.limits import check_file_size, check_open_files
+from accel_gpt.memory import MemoryBudget, budget, parameter_counts
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import make_optimizer, make_scheduler
 from accel_gpt.precision import Capability, Choice, detect, newton_schulz_precision
@@ -115,6 +115,16 @@ def train(cfg: TrainConfig) -> None:
         budget = [run.budget.summary()] if run.budget.on else []
         logger.info("; ".join([log.summary(state, cfg, weights), run.memory.measured(), *pauses, *budget]))
         accelerator.end_training()
+
+
+def largest_saved_file(cfg: TrainConfig) -> tuple[int, str]:
+    """About the bytes of the largest file a run writes: a checkpoint's optimizer.bin (AdamW's two fp32 moments of
+    every parameter; Muon's one momentum of the matrices and AdamW's of the rest), or the fp32 weights."""
+    params, matrices = parameter_counts(cfg)
+    moments = 2 * params if cfg.optimizer == "adamw" else matrices + 2 * (params - matrices)
+    if cfg.save_every and moments > params:
+        return 4 * moments, "a checkpoint's optimizer.bin"
+    return 4 * params, "model.safetensors"
 
 
 def stop_hint(cfg: TrainConfig) -> str:
@@ -284,6 +294,9 @@ def build(cfg: TrainConfig, accelerator: Accelerator, choices: RunChoices, resum
     too_few_files = check_open_files(cfg.num_workers)
     if too_few_files:
         raise ConfigError(too_few_files)
+    too_large = check_file_size(*largest_saved_file(cfg))
+    if too_large:
+        raise ConfigError(too_large)
     weights, per_step = cfg.source_weights(), cfg.windows_per_step
     sampler = WindowSampler(train_ds.sizes, cfg.seed, weights=weights, windows_per_step=per_step)
     train_dl = DataLoader(

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,12 @@ class ModelCard:
     # Weights picked among the run's checkpoints (`final_weights best`): {"val_loss", "last_step"} of the run.
     picked: dict[str, Any] | None = None
     run: str | None = None  # the id of the run that trained them (`RUN_FILE`)
+    weights_sha256: str | None = None  # of the model.safetensors beside it, where no COMPLETE marker vouches for it
 
     def to_dict(self) -> dict[str, Any]:
         card = {"model": self.model.to_dict(), "tokenizer": self.tokenizer.to_dict(), "step": self.step}
         extra = (("history", self.history), ("picked", self.picked), ("run", self.run))
+        extra += (("weights_sha256", self.weights_sha256),)
         return card | {k: v for k, v in extra if v is not None}
 
 
@@ -77,7 +80,8 @@ def read_model_config(folder: Path) -> ModelCard:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
         model, tokenizer = GPTConfig(**meta["model"]), Tokenizer.from_dict(meta["tokenizer"], folder)
-        card = ModelCard(model, tokenizer, meta.get("step"), meta.get("history"), meta.get("picked"), meta.get("run"))
+        card = ModelCard(model, tokenizer, meta.get("step"), meta.get("history"), meta.get("picked"), meta.get("run"),
+                         meta.get("weights_sha256"))  # fmt: skip
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"{path} is not a readable accel_gpt model config ({type(e).__name__}: {e})") from None
     if tokenizer.name == "bpe":  # its tokenizer.json missing or changed: one line now (GPT-2's files load on use)
@@ -96,7 +100,8 @@ def save_weights(state_dict: dict[str, torch.Tensor], card: ModelCard, out_dir: 
     with replacing(out_dir / WEIGHTS) as tmp:
         save_file(state, str(tmp))
         make_shareable(tmp)
-    write_model_config(out_dir, card)
+        digest = sha256_file(tmp)
+    write_model_config(out_dir, replace(card, weights_sha256=digest))  # ties the two files together
 
 
 def load_weights(folder: Path) -> tuple[GPT, ModelCard]:
@@ -110,6 +115,11 @@ def load_weights(folder: Path) -> tuple[GPT, ModelCard]:
         raise UserError(f"{folder} has {MODEL_CONFIG} but no {WEIGHTS}")
     check_as_saved(folder)
     open(weights, "rb").close()  # a file this process may not read is said as such, not as safetensors' own error
+    if card.weights_sha256 and read_marker(folder) is None and sha256_file(weights) != card.weights_sha256:
+        raise UserError(
+            f"{weights} is not the file its {MODEL_CONFIG} was written with (sha256): replaced or changed since; put "
+            "back the pair as the run wrote them, or use a checkpoint"
+        )
     try:
         state = load_file(str(weights))
     except Exception as e:  # safetensors raises its own error types for corrupt headers or data
@@ -135,13 +145,14 @@ def check_as_saved(folder: Path) -> None:
     """A checkpoint's weights and shape must be the files its `COMPLETE` marker vouched for (sha256) when it was
     saved: eval, sample and export read them as that step's. Folders without recorded checksums pass."""
     marker = read_marker(folder)
-    if marker is None and folder.parent.name == CHECKPOINTS and folder.name.startswith("step_"):
+    if marker is None and folder.parent.name == CHECKPOINTS and is_checkpoint_name(folder.name):
         raise UserError(f"checkpoint {folder} is incomplete (no readable {COMPLETE} marker: its save did not finish)")
     if marker is not None and (misnamed := misnamed_checkpoint(folder)):
         raise UserError(misnamed)
     changed = unlike_recorded(folder, names=(WEIGHTS, MODEL_CONFIG))
     if changed is not None:
         raise UserError(f"checkpoint {folder} is damaged: {changed}; use another checkpoint")
+
 
 
 def unlike_recorded(
@@ -255,7 +266,7 @@ def complete_checkpoints(out_dir: str | Path, warn: bool = False) -> list[Path]:
     if not root.is_dir():
         return []
     done = []
-    for p in [root / name for name in sorted(os.listdir(root)) if name.startswith("step_")]:  # glob hides EACCES
+    for p in [root / name for name in sorted(os.listdir(root)) if is_checkpoint_name(name)]:  # glob hides EACCES
         if read_marker(p) is not None:
             done.append(p)
         elif (p / COMPLETE).exists():
@@ -304,7 +315,7 @@ def misnamed_checkpoint(checkpoint: Path) -> str | None:
     """One line when a complete checkpoint's folder name is not the step its marker vouches for (renamed, or another
     step copied over it): resuming or reading it by its name would give another step's state."""
     step = (read_marker(checkpoint) or {}).get("step")
-    if not checkpoint.name.startswith("step_") or step is None or checkpoint.name == checkpoint_name(step):
+    if not is_checkpoint_name(checkpoint.name) or step is None or checkpoint.name == checkpoint_name(step):
         return None
     return (
         f"checkpoint {checkpoint} holds step {step}'s state (its {COMPLETE} marker), not the step its name says: "
@@ -314,6 +325,11 @@ def misnamed_checkpoint(checkpoint: Path) -> str | None:
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """`step_` and the step's digits: a name of the run's own saves (`step_00000010.bak` is the user's)."""
+    return re.fullmatch(r"step_\d{8,}", name) is not None
 
 
 def disowned(out_dir: str | Path, run: str | None = None) -> str | None:

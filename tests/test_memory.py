@@ -93,9 +93,9 @@ def test_a_run_that_cannot_fit_is_refused_before_it_allocates(
     assert re.fullmatch(
         r"error: this run needs about [\d,.]+ GB per process \(weights 498 MB, gradients 498 MB, optimizer 996 MB, "
         r"activations [\d,.]+ GB(, freed buffers kept [\d,.]+ GB)?(, runtime 40 MB)?\), "
-        r"1\.25x that resident on a CPU, but the cpu has "
-        r"[\d,.]+ [GM]B free for each "
-        r"of its processes: lower micro_batch_size \(now 512: activations scale with it\), --activation_checkpointing "
+        r"1\.25x that resident on a CPU, but each process may use "
+        r"[\d,.]+ [GM]B \((the machine's available memory|its cgroup's memory limit \(a container's or a job's\))\): "
+        r"lower micro_batch_size \(now 512: activations scale with it\), --activation_checkpointing "
         r"true, --loss_chunk 4096 \(the logits a chunk at a time\), the model's shape \(n_layer, n_embd\); or "
         r"--check_memory false to try anyway",
         err,

@@ -159,3 +159,40 @@ def test_prune_deletes_only_the_runs_own_checkpoints(tmp_path: Path) -> None:
         (folder / COMPLETE).write_text(json.dumps({"step": step} | ({"run": run} if run else {})))
     prune(tmp_path, keep=1, keep_best=False, run="mine")
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000010"]
+
+
+def test_a_users_folders_beside_the_checkpoints_are_kept(runs: dict[str, Path], tmp_path: Path) -> None:
+    """`step_00000002.bak` (a backup copy) is not a checkpoint name: it neither blocks a resume nor is pruned; a
+    `step_00000006/` the user made (no COMPLETE) where the run then saves step 6 is moved aside, not deleted."""
+    a = tmp_path / "A"
+    shutil.copytree(runs["A"], a)
+    shutil.copytree(a / "checkpoints" / "step_00000002", a / "checkpoints" / "step_00000002.bak")
+    (a / "checkpoints" / "step_00000006").mkdir()
+    (a / "checkpoints" / "step_00000006" / "notes.txt").write_text("mine")
+    log = train(runs, a, "--max_steps", "6", "--resume", "auto", "--keep_checkpoints", "1")
+    assert "step_00000006 was not a checkpoint of this run: moved it to" in log, log[-3000:]
+    assert (a / "checkpoints" / "step_00000002.bak" / COMPLETE).is_file()
+    assert [p.read_text() for p in (a / "checkpoints").glob("retired-*/step_00000006/notes.txt")] == ["mine"]
+    assert [p.name for p in complete_checkpoints(a)] == ["step_00000006"]
+
+
+def test_final_weights_replaced_without_their_card_are_refused(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Only model.safetensors swapped for another run's (its model_config.json left): the card's sha256 of the
+    weights it was written with names it, where before eval scored the other run's weights as this run's."""
+    a = tmp_path / "A"
+    shutil.copytree(runs["A"], a)
+    shutil.copy2(runs["B"] / "model.safetensors", a / "model.safetensors")
+    for args in readers(a, tmp_path):
+        assert "is not the file its model_config.json was written with" in refused(args), args
+
+
+def test_a_resume_past_the_end_of_metrics_says_which_rows_are_missing(runs: dict[str, Path], tmp_path: Path) -> None:
+    """A checkpoint of this run's copy that went on elsewhere, dropped into the run (same id): the resume goes on
+    from it, and says that metrics.jsonl lacks the rows between."""
+    a, copy = tmp_path / "A", tmp_path / "copy"
+    shutil.copytree(runs["A"], a)
+    shutil.copytree(runs["A"], copy)
+    train(runs, copy, "--max_steps", "6", "--resume", "auto")
+    shutil.copytree(copy / "checkpoints" / "step_00000006", a / "checkpoints" / "step_00000006")
+    log = train(runs, a, "--max_steps", "8", "--resume", "auto")
+    assert "holds rows up to step 4 only, and the run resumes at step 6: the rows of steps 5-6" in log, log[-3000:]

@@ -81,6 +81,7 @@ from accel_gpt.data.sources import Source, Stream, open_streams, resolve_source
 from accel_gpt.data.train_bpe import train_tokenizer
 from accel_gpt.errors import ConfigError, DataError, UserError
 from accel_gpt.files import LOCK, TMP_MARK, atomic_write, locked, remove_temporaries
+from accel_gpt.limits import file_size_limit, file_size_reason
 from accel_gpt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -297,8 +298,11 @@ def _write_error(e: OSError, data_dir: Path, kept: int) -> DataError:
     """A full or read-only disk while writing: one line. What is written stays: the same command resumes from the
     shards already finished (a half-written shard is only ever a temporary, removed on the way out)."""
     what = "no space left on the device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+    fix = "make room"
+    if e.errno == errno.EFBIG and (limit := file_size_limit()) is not None:
+        what, fix = file_size_reason(limit).split("; ")[0], "raise it (or give a smaller --shard_size)"
     return DataError(
-        f"cannot write to out_dir '{data_dir}': {what}; {kept} finished shard(s) kept: make room and run the same "
+        f"cannot write to out_dir '{data_dir}': {what}; {kept} finished shard(s) kept: {fix} and run the same "
         f"command again to resume, or delete '{data_dir}'"
     )
 

@@ -6,6 +6,7 @@ and the tokenizer workers never load them.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import re
 import shutil
@@ -20,6 +21,7 @@ from typing import Any
 from accel_gpt.config import PrepareConfig
 from accel_gpt.errors import DataError, UserError
 from accel_gpt.files import replacing
+from accel_gpt.limits import file_size_limit, file_size_reason
 
 READ_ROWS = 1024  # rows per Arrow batch read from the dataset
 # Tiny Shakespeare (char-rnn's 1.1 MB corpus, public domain), shipped so that a first run needs no download and no
@@ -222,6 +224,8 @@ def _load_error(label: str, e: BaseException) -> str:
         e = e.__cause__ or e.__context__
     if any(type(x).__name__ == "SchemaInferenceError" for x in chain):
         return f"{label} has no documents (empty input)"
+    if any(isinstance(x, OSError) and x.errno == errno.EFBIG for x in chain) and (limit := file_size_limit()):
+        return f"could not load {label}: writing the datasets cache, {file_size_reason(limit)}"
     last = chain[-1]
     message = str(last).strip().splitlines()[0] if str(last).strip() else type(last).__name__
     return f"could not load {label}: {message}"
