@@ -118,7 +118,8 @@ def test_a_file_size_limit_is_named_before_the_run_and_at_a_write(tmp_path: Path
     assert said == "a file reached the file size limit (ulimit -f: 1.0 MB); raise it (ulimit -f unlimited)", said
     text = tmp_path / "text.txt"
     text.write_text("words and more words\n\n" * 2000)
-    for limit, out, said in ((8, "d1", "writing the datasets cache"), (None, "d2", None), (8, "d3", "finished shard(s) kept: raise it")):
+    cases = ((8, "d1", "writing the datasets cache"), (None, "d2", None), (8, "d3", "finished shard(s) kept: raise it"))
+    for limit, out, said in cases:
         prepare = " ".join(python_cmd("prepare", "--dataset", str(text), "--out_dir", str(tmp_path / out)))
         if limit is None:  # the datasets cache holds the text now: the next limited prepare fails at its shards
             run_cmd(["bash", "-c", prepare])
