@@ -154,7 +154,6 @@ def check_as_saved(folder: Path) -> None:
         raise UserError(f"checkpoint {folder} is damaged: {changed}; use another checkpoint")
 
 
-
 def unlike_recorded(
     checkpoint: Path, names: tuple[str, ...] | None = None, present: bool = True, absent: bool = True
 ) -> str | None:
