@@ -448,7 +448,12 @@ def stop_together(accelerator: Accelerator, error: str | None) -> None:
 
 
 def _remove(path: Path) -> None:
-    """Delete a checkpoint folder so that no reader can see it half-deleted: rename it away, then delete."""
+    """Delete a checkpoint folder so that no reader can see it half-deleted: rename it away, then delete. A link to
+    one (the user's store elsewhere) loses only the link: what it points to is not the run's to delete."""
+    if path.is_symlink():
+        path.unlink()
+        logger.info(f"removed the link {path} from the run; what it pointed to ({path.resolve()}) is left alone")
+        return
     trash = path.with_name(f"{TRASH_PREFIX}{path.name}")
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
@@ -458,7 +463,9 @@ def _remove(path: Path) -> None:
 def _remove_leftovers(root: Path) -> None:
     """Hidden folders of saves or deletions that a crash interrupted; nothing reads them."""
     for p in root.iterdir():
-        if p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and p.is_symlink():  # left by an older version
+            p.unlink()
+        elif p.is_dir() and p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             shutil.rmtree(p, ignore_errors=True)
 
 

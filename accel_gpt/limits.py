@@ -45,23 +45,34 @@ def rlimit_memory_room(status: Path = Path("/proc/self/status")) -> int | None:
     return min(rooms) if rooms else None
 
 
-def open_files_needed(workers: int) -> int:
-    """Descriptors a run with `workers` DataLoader workers needs at least: measured with 2 workers on tiny-cpu,
-    `ulimit -n` 12 failed at start (EMFILE), 16 in a worker's start, 20 left a worker dead and the run waiting for
-    it; 30 trained. Twice that, and more per worker (each passes its batches through shared-memory descriptors)."""
-    return 32 + 16 * workers if workers else 0
+def open_files_needed(workers: int, processes: int = 1) -> int:
+    """Descriptors a process needs at least, with `workers` DataLoader workers in a group of `processes`. Measured on
+    tiny-cpu: with 2 workers, `ulimit -n` 12 failed at start (EMFILE), 16 in a worker's start, 20 left a worker dead
+    and the run waiting for it; 30 trained: twice that, and more per worker (each passes its batches through
+    shared-memory descriptors). A group of 2 CPU processes: 14 never formed (the store's sockets got EMFILE and every
+    rank retried for 15 minutes), 18 trained; each rank holds sockets to the others, so the need grows with the group.
+    """
+    group = 24 + 2 * processes if processes > 1 else 0
+    return group + (32 + 16 * workers if workers else 0)
 
 
-def check_open_files(workers: int) -> str | None:
-    """Why `ulimit -n` is too low for `workers` DataLoader workers, or None where it is not."""
+def check_open_files(workers: int, processes: int = 1) -> str | None:
+    """Why `ulimit -n` is too low for `workers` DataLoader workers in a group of `processes`, or None."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = open_files_needed(workers)
+    need = open_files_needed(workers, processes)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return None
+    why = []
+    if processes > 1:
+        why.append(f"a group of {processes} processes (each holds sockets to the others; below that the group never "
+                   "forms, and every rank waits for it)")  # fmt: skip
+    if workers:
+        why.append(f"{workers} DataLoader worker(s) (they pass batches through file descriptors; below that a worker "
+                   "dies and the run waits for it)")  # fmt: skip
+    fix = " or give --num_workers 0" if workers else ""
     return (
-        f"the open-file limit (ulimit -n) is {soft}, and {workers} DataLoader worker(s) need at least {need} (they "
-        "pass batches through file descriptors; below that a worker dies and the run waits for it): raise it "
-        f"(ulimit -n 1024) or give --num_workers 0"
+        f"the open-file limit (ulimit -n) is {soft}, and {' with '.join(why)} need at least {need}: raise it "
+        f"(ulimit -n 1024){fix}"
     )
 
 

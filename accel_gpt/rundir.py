@@ -227,8 +227,16 @@ def never_stepped(folder: Path, cfg: TrainConfig) -> bool:
 
 
 def run_files(folder: Path) -> list[str]:
-    """The names in `RUN_FILES` that `folder` holds."""
-    return [name for name in RUN_FILES if (folder / name).exists()]
+    """The names in `RUN_FILES` that `folder` holds; an empty folder (`checkpoints/` made ahead, or linked to an
+    empty store elsewhere) holds nothing of a run."""
+    return [name for name in RUN_FILES if (folder / name).exists() and not _empty_folder(folder / name)]
+
+
+def _empty_folder(path: Path) -> bool:
+    try:
+        return path.is_dir() and not any(path.iterdir())
+    except OSError:
+        return False
 
 
 def same_on_every_rank(accelerator: Accelerator, value: str | None) -> str | None:

@@ -28,7 +28,8 @@ import torch.distributed.nn.functional  # noqa: F401  before any group forms: se
 from accelerate import Accelerator, PartialState
 from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 
-from accel_gpt.errors import ConfigError
+from accel_gpt.errors import ConfigError, UserError
+from accel_gpt.limits import check_open_files
 from accel_gpt.precision import Capability, check_mixed_precision, detect
 from accel_gpt.workarounds import check_claims_can_hold, check_fsdp_can_run, check_group, cpu_only
 
@@ -53,6 +54,9 @@ def make_accelerator(
     check_claims_can_hold(cpu, kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     if cpu and keep_memory:  # training's fixed shapes reuse the kept buffers; eval's varying ones fragment them
         keep_freed_memory()
+    too_few_files = check_open_files(0, int(os.environ.get("WORLD_SIZE", "1")))
+    if too_few_files:  # before the group forms: below the limit it would wait 15 minutes for ranks that cannot join
+        raise UserError(too_few_files)
     launch = ElasticLaunch.from_env()
     group = launch.group_kwargs(timeout) if launch is not None and not dist.is_initialized() else {}
     if timeout is not None:

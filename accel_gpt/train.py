@@ -291,7 +291,7 @@ def build(cfg: TrainConfig, accelerator: Accelerator, choices: RunChoices, resum
     check_vocab(train_ds.manifest, cfg.vocab_size, cfg.data_dir)
     if accelerator.is_local_main_process:  # the manifest's record, or one read of the shards per node
         check_token_ids(cfg.data_dirs, [source.manifest for source in train_ds.sources], cfg.vocab_size)
-    too_few_files = check_open_files(cfg.num_workers)
+    too_few_files = check_open_files(cfg.num_workers, accelerator.num_processes)
     if too_few_files:
         raise ConfigError(too_few_files)
     too_large = check_file_size(*largest_saved_file(cfg))

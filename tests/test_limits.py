@@ -88,11 +88,38 @@ def test_data_loader_workers_under_a_low_open_file_limit_are_refused_in_one_line
     train = " ".join(python_cmd("train", *flags, "--out_dir", str(tmp_path / "r")))
     refused = run_cmd(["bash", "-c", f"ulimit -n 40; {train} --num_workers 2"], check=False)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
-        "error: the open-file limit (ulimit -n) is 40, and 2 DataLoader worker(s) need at least 64 (they pass batches "
-        "through file descriptors; below that a worker dies and the run waits for it): raise it (ulimit -n 1024) or "
-        "give --num_workers 0"
+        "error: the open-file limit (ulimit -n) is 40, and 2 DataLoader worker(s) (they pass batches through file "
+        "descriptors; below that a worker dies and the run waits for it) need at least 64: raise it (ulimit -n 1024) "
+        "or give --num_workers 0"
     )
     run_cmd(["bash", "-c", f"ulimit -n 40; {train} --overwrite true"])
+
+
+@pytest.mark.slow
+def test_a_group_under_a_low_open_file_limit_is_refused_in_one_line(tmp_path: Path, tiny_run: Path) -> None:
+    """`ulimit -n 14` and 2 processes, no workers: measured, the group's store sockets got EMFILE and every rank
+    retried for 15 minutes; now one line before the group forms, for train and eval alike (torchrun here; `accelerate
+    launch` launches the same way)."""
+    data = next(line.split(": ", 1)[1] for line in (tiny_run / "config.yaml").read_text().splitlines()
+                if line.startswith("data_dir:"))  # fmt: skip
+    commands = {
+        "train": ["train", "--config", "tiny-cpu", "--max_steps", "1", "--log_with", "none", "--data_dir", data,
+                  "--out_dir", str(tmp_path / "r")],
+        "eval": ["eval", "--checkpoint", str(tiny_run), "--data_dir", data, "--eval_windows", "2"],
+    }  # fmt: skip
+    ranks = tmp_path / "limited_rank.sh"  # the limit on the ranks alone: a launcher under it may fail on its own
+    ranks.write_text(f'#!/bin/bash\nulimit -n 14\nexec {sys.executable} run.py "$@"\n')
+    ranks.chmod(0o755)
+    for name, args in commands.items():
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        refused = run_cmd([*launch, "--no-python", str(ranks), *args], check=False, timeout=120)
+        lines = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+        assert lines == [
+            "error: the open-file limit (ulimit -n) is 14, and a group of 2 processes (each holds sockets to the "
+            "others; below that the group never forms, and every rank waits for it) need at least 28: raise it "
+            "(ulimit -n 1024)"
+        ], (name, refused.stderr[-3000:])
+        assert refused.returncode != 0 and not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow

@@ -196,3 +196,22 @@ def test_a_resume_past_the_end_of_metrics_says_which_rows_are_missing(runs: dict
     shutil.copytree(copy / "checkpoints" / "step_00000006", a / "checkpoints" / "step_00000006")
     log = train(runs, a, "--max_steps", "8", "--resume", "auto")
     assert "holds rows up to step 4 only, and the run resumes at step 6: the rows of steps 5-6" in log, log[-3000:]
+
+
+def test_linked_checkpoint_folders_lose_only_their_links(runs: dict[str, Path], tmp_path: Path) -> None:
+    """A new run into a folder whose `checkpoints/` links to an empty store elsewhere trains (an empty folder holds
+    no run) and saves into the store; a checkpoint linked in from a backup is pruned as a link: the backup stays,
+    and no hidden `.trash-` link is left behind."""
+    store, backup, out = tmp_path / "store", tmp_path / "backup", tmp_path / "linked"
+    store.mkdir()
+    out.mkdir()
+    (out / "checkpoints").symlink_to(store)
+    train(runs, out, "--max_steps", "2")
+    assert [p.name for p in store.iterdir()] == ["step_00000002"]
+    shutil.copytree(store / "step_00000002", backup)
+    shutil.rmtree(store / "step_00000002")
+    (store / "step_00000002").symlink_to(backup)
+    log = train(runs, out, "--max_steps", "4", "--resume", "auto", "--keep_checkpoints", "1")
+    assert f"removed the link {out / 'checkpoints' / 'step_00000002'} from the run" in log, log[-3000:]
+    assert sorted(p.name for p in store.iterdir()) == ["step_00000004"]
+    assert (backup / COMPLETE).is_file()
