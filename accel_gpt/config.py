@@ -144,8 +144,9 @@ def config_values(cls: type[Config], config: str) -> dict[str, Any]:
     return cls.layered([preset_values(cls, layer) for layer in config_layers(cls, config)])
 
 
-def preset_values(cls: type[Config], name_or_path: str) -> dict[str, Any]:
-    """The keys of a YAML file, or of the preset called `name_or_path`, checked against `cls`."""
+def preset_values(cls: type[Config], name_or_path: str, within: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The keys of a YAML file, or of the preset called `name_or_path`, checked against `cls`; over those of the
+    `config:` it names as its base, if any (a recipe that builds on a preset). `within`: the files that led here."""
     path = Path(name_or_path)
     if not path.is_file():
         path = presets_dir(cls) / f"{name_or_path.removesuffix('.yaml')}.yaml"
@@ -162,11 +163,18 @@ def preset_values(cls: type[Config], name_or_path: str) -> dict[str, Any]:
         raise ConfigError(f"{path} sets {e} twice: keep one (YAML would silently take the last)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of {cls.command} settings, got {type(data).__name__}")
-    data.pop("config", None)  # a saved config.yaml records where it came from; that is not a layer to follow
+    base = data.pop("config", None)
     if is_run_config(path):
         data.pop("resume", None)  # how that run started, not its recipe: taken back, it starts a new run
     check_keys(cls, data, str(path))
-    return data
+    if not base or is_run_config(path) or {f.name for f in fields(cls)} - {"config", "resume"} <= set(data):
+        return data  # a resolved config (a run's config.yaml) records where it came from: not a layer to follow
+    if path.resolve() in within:
+        raise ConfigError(f"{path} names itself among its bases (config: {base}): a recipe cannot build on itself")
+    beside = path.parent / str(base)  # a base file named relative to the recipe that names it
+    base = str(beside) if beside.is_file() else str(base)
+    layers = [preset_values(cls, layer, (*within, path.resolve())) for layer in config_layers(cls, base)]
+    return cls.layered([*layers, data])
 
 
 def is_run_config(path: Path) -> bool:
@@ -187,6 +195,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         if twice is not None:
             raise _DuplicateKey(twice)
         return super().construct_mapping(node, deep=deep)
+
+
+# Booleans are true and false only, as on the command line (YAML 1.2): YAML 1.1's yes/no/on/off stay words, so that
+# `compile: yes` is refused as `--compile yes` is, and `mixed_precision: no` means the setting's "no".
+_BOOL = "tag:yaml.org,2002:bool"
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_UniqueKeyLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 def check_keys(cls: type[Config], keys: typing.Iterable[str], where: str) -> None:

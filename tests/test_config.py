@@ -179,6 +179,40 @@ def test_misspelt_preset_names_the_close_ones() -> None:
         preset_values(TrainConfig, "nothing-like-it")
 
 
+def test_a_recipe_builds_on_the_config_it_names(tmp_path: Path) -> None:
+    """A user's YAML with `config: tiny-cpu` (before: the key was dropped, and the run took the 124M defaults): its
+    base's values first, then its own; a base file is found beside the recipe; a recipe naming itself is refused.
+    A run's config.yaml, which records its --config, is not followed: it holds every value already."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "mine.yaml").write_text("config: tiny-cpu\nmax_steps: 3\n")
+    (tmp_path / "sub" / "over.yaml").write_text("config: mine.yaml\nlearning_rate: 0.5\n")
+    cfg = TrainConfig.load(str(tmp_path / "sub" / "over.yaml"))
+    preset = TrainConfig.load("tiny-cpu")
+    assert (cfg.n_layer, cfg.n_embd, cfg.max_steps, cfg.learning_rate) == (preset.n_layer, preset.n_embd, 3, 0.5)
+    _, flagged = parse(["train", "--config", str(tmp_path / "sub" / "mine.yaml"), "--max_steps", "9"])
+    assert (flagged.n_embd, flagged.max_steps) == (preset.n_embd, 9)
+    (tmp_path / "loop.yaml").write_text(f"config: {tmp_path / 'loop.yaml'}\n")
+    with pytest.raises(ConfigError, match="names itself among its bases"):
+        TrainConfig.load(str(tmp_path / "loop.yaml"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    save_yaml(TrainConfig.load("tiny-cpu", {"config": "gone.yaml", "max_steps": "7"}), run / "config.yaml")
+    assert TrainConfig.load(str(run / "config.yaml")).max_steps == 7
+
+
+@pytest.mark.parametrize(("text", "expected"), [("compile: yes", "compile='yes'"), ("overwrite: on", "overwrite")])
+def test_yaml_booleans_are_true_and_false_as_on_the_command_line(tmp_path: Path, text: str, expected: str) -> None:
+    """YAML 1.1 read yes/on as true, where `--compile yes` is refused; now a YAML refuses them too, and
+    `mixed_precision: no` is the setting's word "no", not false."""
+    (tmp_path / "c.yaml").write_text(text + "\n")
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        TrainConfig.load(str(tmp_path / "c.yaml"))
+    (tmp_path / "ok.yaml").write_text("data_dir: d\ncompile: FALSE\nmixed_precision: no\noverwrite: True\n")
+    cfg = TrainConfig.load(str(tmp_path / "ok.yaml"))
+    assert (cfg.compile, cfg.mixed_precision, cfg.overwrite) == (False, "no", True)
+
+
 def test_yaml_must_be_a_mapping(tmp_path: Path) -> None:
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must hold a mapping of train settings, got list"):
