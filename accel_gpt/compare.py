@@ -49,6 +49,7 @@ class Result:
     seconds: float
     parameters: int | None
     processes: str  # how many processes trained it: "2", or each start's where they differed ("1,2"); "-" unknown
+    val_step: int | None = None  # the step its val_loss was measured at (a run stopped past it)
 
     @classmethod
     def of(cls, run_dir: Path, label: str) -> Result:
@@ -61,7 +62,7 @@ class Result:
         steps = rows[-1]["step"]
         return cls(
             label, run_dir, settings, last.get("val_loss"), last.get("val_bpb"), steps, steps * (batch or 0),
-            seconds, _parameters(settings), _processes(run_dir),
+            seconds, _parameters(settings), _processes(run_dir), last.get("step"),
         )  # fmt: skip
 
 
@@ -138,13 +139,19 @@ def table(results: list[Result]) -> list[list[str]]:
     header = ["run", "val_loss", "val_bpb", "steps", "tokens", "train_s", "params", "processes", *keys]
     rows = [
         [
-            r.label, _num(r.val_loss, 4), _num(r.val_bpb, 4), f"{r.steps:,}", f"{r.tokens:,}", f"{r.seconds:.4g}",
+            r.label, _num(r.val_loss, 4) + _at(r), _num(r.val_bpb, 4) + _at(r), f"{r.steps:,}", f"{r.tokens:,}",
+            f"{r.seconds:.4g}",
             f"{r.parameters / 1e6:.2f}M" if r.parameters else "-", r.processes,
             *(_text(r.settings.get(k)) for k in keys),
         ]
         for r in results
     ]  # fmt: skip
     return [header, *rows]
+
+
+def _at(r: Result) -> str:
+    """Where the last evaluation is older than the run's last step (stopped or killed past it): its step."""
+    return f" (step {r.val_step:,})" if r.val_loss is not None and r.val_step not in (None, r.steps) else ""
 
 
 def _num(value: float | None, digits: int) -> str:

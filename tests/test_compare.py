@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -53,6 +54,20 @@ def test_runs_side_by_side_with_the_settings_they_differ_in(runs: list[Path], ca
         assert row[0] == run.name and row[1] == f"{last['val_loss']:.4f}" and row[2] == f"{last['val_bpb']:.4f}"
         assert row[3:5] == ["4", "256"] and float(row[5]) > 0 and row[7] == "1"
     assert [row[-1] for row in rows] == ["0.0001", "0.003"]
+
+
+def test_a_val_loss_older_than_the_runs_last_step_says_its_step(runs: list[Path], tmp_path: Path, capsys) -> None:
+    """A run stopped past its last evaluation (continued, then killed): its val_loss is an older step's, and says
+    which, where before it stood beside the newer step count as if it were that step's."""
+    run = tmp_path / "stopped"
+    shutil.copytree(runs[0], run)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    later = [{k: v for k, v in rows[-1].items() if not k.startswith(("val_", "hellaswag"))} | {"step": 4 + i}
+             for i in (1, 2, 3)]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, *later]))
+    main(["compare", str(run)])
+    row = capsys.readouterr().out.splitlines()[1]
+    assert re.match(r"stopped +\d+\.\d{4} \(step 4\) +\d+\.\d{4} \(step 4\) +7 ", row), row
 
 
 def test_the_curves_in_one_plot_and_a_log_that_grows(runs: list[Path], tmp_path: Path, capsys) -> None:
