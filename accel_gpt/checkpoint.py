@@ -535,6 +535,8 @@ def retire_after(out_dir: str | Path, step: int) -> list[str]:
     for p in later:
         os.replace(p, folder / p.name)
         moved.append(p.name)
+        if (marker := read_marker(folder / p.name)) is not None:  # copied back into the line, it is refused
+            atomic_write_json(folder / p.name / COMPLETE, marker | {"retired": str(folder)})
     if final is not None and final > step:
         for name in (WEIGHTS, MODEL_CONFIG, TOKENIZER_FILE):
             if (out_dir / name).exists():

@@ -19,6 +19,7 @@ says how to retry the upload alone.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -69,14 +70,22 @@ def export(
 
     def write() -> None:  # on a failure the staging folder is already gone (see `replacing`)
         out.parent.mkdir(parents=True, exist_ok=True)
-        with replacing(out) as stage:
-            stage.mkdir()
-            hf_model.save_pretrained(stage)
-            tokenizer.save_pretrained(stage)
-            for name, text in files.items():
-                (stage / name).write_text(text, encoding="utf-8")
-            (stage / CARD).write_text(readme, encoding="utf-8")
-            make_shareable(stage)
+        try:
+            with replacing(out) as stage:
+                stage.mkdir()
+                hf_model.save_pretrained(stage)
+                tokenizer.save_pretrained(stage)
+                for name, text in files.items():
+                    (stage / name).write_text(text, encoding="utf-8")
+                (stage / CARD).write_text(readme, encoding="utf-8")
+                make_shareable(stage)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise UserError(
+                f"cannot write the export to {out}: the folder was filled while this export ran (another export "
+                "into it at the same time?); nothing of this one is left there: choose another --out_dir, or empty it"
+            ) from None
 
     write_or_refuse(f"the export to {out}", out, write, tensor_bytes(hf_model.state_dict().values()) + TOKENIZER_BYTES)
     return out

@@ -21,6 +21,7 @@ run's own. Files from before ids were recorded carry none, and count as any run'
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -181,10 +182,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GP
     p = Path(path)
     if (p / CHECKPOINTS).is_dir() or (p / RUN_FILE).is_file():
         check_own(p)  # a run dir: what it holds must be its own before its newest state is picked
-    if (p / MODEL_CONFIG).is_file():
-        model, card = load_weights(checkpoint_past_final(p) or p)
-    elif (p / CHECKPOINTS).is_dir():
-        model, card = load_weights(newest_checkpoint(p))
+    if (p / MODEL_CONFIG).is_file() or (p / CHECKPOINTS).is_dir():
+        model, card = load_newest(p)
     elif (p / "config.json").is_file() or (not p.exists() and _looks_like_hub_id(str(path))):
         from accel_gpt.hf import folder_tokenizer, load_transformers
 
@@ -201,6 +200,20 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GP
         )
     model.vocab_in_use = min(card.tokenizer.vocab_size, model.config.vocab_size)  # scores as the run and export do
     return model.to(device).eval(), card
+
+
+def load_newest(run: Path, tries: int = 5) -> tuple[GPT, ModelCard]:
+    """A run dir's newest weights: its final ones, or the newest checkpoint past them. A run training in the folder
+    prunes its older checkpoints as it saves (`keep_checkpoints`), so the one picked may go while it is read: then
+    the newest is picked again, where before a checkpoint pruned mid-read was reported as damaged."""
+    for attempt in itertools.count(1):
+        folder = (checkpoint_past_final(run) or run) if (run / MODEL_CONFIG).is_file() else newest_checkpoint(run)
+        try:
+            return load_weights(folder)
+        except (UserError, OSError):
+            if folder == run or read_marker(folder) is not None or attempt == tries:
+                raise
+            _note(f"{folder} was pruned by the run training in {run} while it was read: reading the newest again")
 
 
 def checkpoint_past_final(run: Path) -> Path | None:
@@ -341,9 +354,24 @@ def disowned(out_dir: str | Path, run: str | None = None) -> str | None:
     misnamed = next((m for p in done if (m := misnamed_checkpoint(p))), None)
     if misnamed:
         return misnamed
-    run = run or folder_run(out_dir) or next((r for p in reversed(done) if (r := checkpoint_run(p))), None)
+    retired = next((p for p in done if (read_marker(p) or {}).get("retired")), None)
+    if retired is not None:
+        return (
+            f"checkpoint {retired} is of a line this run abandoned when it was resumed from an earlier step by path "
+            f"(it was moved to {read_marker(retired)['retired']}): to go back to that line, resume from it by path "
+            f"where it was moved; else move it out of {out_dir / CHECKPOINTS}"
+        )
+    named = folder_run(out_dir)
+    run = run or named or next((r for p in reversed(done) if (r := checkpoint_run(p))), None)
     if run is None:
         return None
+    ids = {r for r in (*map(checkpoint_run, done), _card_run(out_dir)) if r is not None}
+    if named == run and ids and run not in ids and len(ids) == 1:
+        return (
+            f"{out_dir / RUN_FILE} names run {run}, but every checkpoint and the final weights in {out_dir} are run "
+            f"{ids.pop()}'s: {RUN_FILE} was replaced; put the run's own back, or remove it (the id is then read from "
+            "the checkpoints)"
+        )
     where = f"run {run}, which {out_dir} holds"
     for p in done:
         theirs = checkpoint_run(p)

@@ -5,8 +5,9 @@ time and memory, on a gigabyte of text.
         --mb 1000 --caps 50,100,200,400,1000 --vocab_size 16384
 
 The corpus is the first --mb megabytes of the text files under --text_dirs (bench/cost_by_size.py's, in an order
-shuffled with a fixed seed, so that any first stretch samples the whole as a shuffled dataset's does), then
---held_out_mb more megabytes that no tokenizer learns from. Per cap (millions of characters), a fresh
+shuffled with a fixed seed, so that any first stretch samples the whole as a shuffled dataset's does); the held-out
+text is --held_out_mb megabytes from the other end of that order, which no tokenizer learns from (the folders must
+hold more than both). Per cap (millions of characters), a fresh
 child learns the BPE from the corpus's first cap characters, in the paragraphs `prepare` would give it, with
 `accel_gpt.bpe.train` (what `prepare` calls), then encodes the held-out text with it. The table gives the learning
 seconds, the child's peak RSS, and the held-out text's bytes per token (more is better) with its loss against the
@@ -79,12 +80,8 @@ def compare(args: argparse.Namespace) -> None:
     files = text_files(args.text_dirs)
     random.Random(0).shuffle(files)  # any first stretch is a sample of the whole, as in a shuffled dataset
     corpus, held_out = work / "corpus.txt", work / "held_out.txt"
-    write_text(files, args.mb + args.held_out_mb, corpus)
-    text = corpus.read_bytes()
-    cut = text.rfind(b"\n\n", 0, args.mb * 10**6) + 2  # the held-out part starts on a paragraph
-    held_out.write_bytes(text[cut:])
-    corpus.write_bytes(text[:cut])
-    del text
+    write_text(files, args.mb, corpus)  # file by file: this process stays small (a child's peak RSS counts its own)
+    write_text(files[::-1], args.held_out_mb, held_out)  # the other end of the shuffled files: never learned from
     rows, results = [], {}
     for cap in sorted(float(c) for c in args.caps.split(",")):
         cmd = [sys.executable, __file__, "--corpus", str(corpus), "--held_out", str(held_out)]

@@ -26,7 +26,7 @@ from transformers import GPT2LMHeadModel, pipeline
 
 from accel_gpt.cli import main as cli_main
 from accel_gpt.cli import parse
-from accel_gpt.errors import ConfigError
+from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.export import export
 from accel_gpt.metrics import read_metrics
 from accel_gpt.model import GPT, GPTConfig
@@ -369,3 +369,24 @@ def test_the_offline_lm_eval_recipe_scores_an_export(tiny_run: Path, tmp_path: P
     assert 0 <= scores["acc_norm,none"] <= 1 and 0 <= scores["acc,none"] <= 1
     assert scores["acc_norm_stderr,none"] > 0
     assert re.search(r"\|\s*acc_norm\s*\|", proc.stdout), proc.stdout[-3000:]
+
+
+def test_two_exports_into_one_folder_at_once_are_one_line(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other export publishes its folder while this one stages (simulated: it appears just before the rename):
+    one line saying so, where before it was the raw "Directory not empty" of the rename; its staging is gone."""
+    import accel_gpt.export as export_module
+
+    out = tmp_path / "export"
+    shown = export_module.make_shareable
+
+    def the_other_export_lands_first(stage: Path) -> None:
+        shown(stage)
+        out.mkdir(exist_ok=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(export_module, "make_shareable", the_other_export_lands_first)
+    with pytest.raises(UserError, match="the folder was filled while this export ran"):
+        export(tiny_run, out)
+    assert [p.name for p in tmp_path.iterdir()] == ["export"] and [p.name for p in out.iterdir()] == ["config.json"]

@@ -15,7 +15,7 @@ from conftest import python_cmd, run_cmd, write_token_shards
 
 from accel_gpt.checkpoint import prune
 from accel_gpt.data.shards import sha256_file
-from accel_gpt.weights import COMPLETE, RUN_FILE, complete_checkpoints, disowned, folder_run
+from accel_gpt.weights import COMPLETE, RUN_FILE, ModelCard, complete_checkpoints, disowned, folder_run
 
 VOCAB = 256
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--vocab_size", str(VOCAB)]
@@ -215,3 +215,53 @@ def test_linked_checkpoint_folders_lose_only_their_links(runs: dict[str, Path], 
     assert f"removed the link {out / 'checkpoints' / 'step_00000002'} from the run" in log, log[-3000:]
     assert sorted(p.name for p in store.iterdir()) == ["step_00000004"]
     assert (backup / COMPLETE).is_file()
+
+
+def test_a_checkpoint_of_an_abandoned_line_copied_back_is_refused(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Resumed from step 2 by path, the run retires its step 4 (its marker then says so); copied back into
+    checkpoints/, that step 4 was adopted by `--resume auto` as the newest, silently mixing the two lines."""
+    a = tmp_path / "A"
+    shutil.copytree(runs["A"], a)
+    train(runs, a, "--max_steps", "3", "--save_every", "1", "--resume", str(a / "checkpoints" / "step_00000002"))
+    (retired,) = (a / "checkpoints").glob("retired-*/step_00000004")
+    shutil.copytree(retired, a / "checkpoints" / "step_00000004")
+    line = refused(["train", *TINY, "--seed", "1", "--max_steps", "6", "--resume", "auto",
+                    "--data_dir", str(runs["data"]), "--out_dir", str(a)])  # fmt: skip
+    assert "step_00000004 is of a line this run abandoned" in line and str(retired.parent) in line, line
+    assert "abandoned" in refused(["sample", "--checkpoint", str(a), "--prompt", "ab", "--max_new_tokens", "2"])
+
+
+def test_a_replaced_run_id_file_is_named_not_the_runs_checkpoints(runs: dict[str, Path], tmp_path: Path) -> None:
+    a = tmp_path / "A"
+    shutil.copytree(runs["A"], a)
+    shutil.copy2(runs["B"] / RUN_FILE, a / RUN_FILE)
+    line = refused(["sample", "--checkpoint", str(a), "--prompt", "ab", "--max_new_tokens", "2"])
+    assert f"{a / RUN_FILE} names run {folder_run(runs['B'])}, but every checkpoint" in line, line
+    (a / RUN_FILE).unlink()  # what the line says: the id is read back from the checkpoints
+    assert "finished at step 6/6" in train(runs, a, "--max_steps", "6", "--resume", "auto")
+    assert folder_run(a) == folder_run(runs["A"])
+
+
+def test_a_checkpoint_pruned_while_it_is_read_is_read_again_at_the_newest(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A run training in the folder prunes the checkpoint a reader picked (keep_checkpoints): the reader picks the
+    newest again, where before eval, sample and export said the checkpoint was damaged."""
+    import accel_gpt.weights as weights
+
+    a = tmp_path / "A"
+    shutil.copytree(runs["A"], a)
+    for name in ("model.safetensors", "model_config.json"):  # a run still training: no final weights yet
+        (a / name).unlink()
+    picked = a / "checkpoints" / "step_00000004"
+    read = weights.read_model_config
+
+    def pruned_while_read(folder: Path) -> ModelCard:
+        if Path(folder) == picked and picked.exists():
+            picked.rename(picked.with_name(".trash-step_00000004"))  # as the run's prune does, mid-read
+        return read(folder)
+
+    monkeypatch.setattr(weights, "read_model_config", pruned_while_read)
+    model, card = weights.load_model(a)
+    assert card.step == 2
+    assert f"{picked} was pruned by the run training in {a} while it was read" in capsys.readouterr().err
