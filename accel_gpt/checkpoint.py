@@ -527,7 +527,7 @@ def retire_after(out_dir: str | Path, step: int) -> list[str]:
     out_dir = Path(out_dir)
     root = out_dir / CHECKPOINTS
     later = [p for p in sorted(root.glob("step_*")) if is_checkpoint_name(p.name) and _step_of(p) > step]
-    final = _final_step(out_dir)
+    final = final_step(out_dir)
     if not later and (final is None or final <= step):
         return []
     folder = aside_folder(root)
@@ -567,7 +567,7 @@ def _step_of(checkpoint: Path) -> int:
         return -1
 
 
-def _final_step(out_dir: Path) -> int | None:
+def final_step(out_dir: Path) -> int | None:
     """The step of the final weights in a run directory, or None when there are none (or they say no step)."""
     if not (out_dir / MODEL_CONFIG).is_file():
         return None

@@ -24,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from accel_gpt.checkpoint import TrainState, complete_checkpoints
+from accel_gpt.checkpoint import TrainState, final_step, complete_checkpoints
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.metrics import METRICS, MetricsFile, read_metrics
@@ -318,9 +318,12 @@ class MetricsLogger:
         took += f" (this attempt, from step {self.start_step})" if self.start_step else ""
         saved = (Path(cfg.out_dir) / "checkpoints").is_dir()
         files = "metrics.jsonl, config.yaml" + (", checkpoints/" if saved else "")
+        if not weights:  # stopped before its last step: final weights there are an earlier finish's
+            older = final_step(Path(cfg.out_dir))
+            weights = f"the final weights are step {older}'s, older than this" if older else "no final weights yet"
         return (
             f"finished at step {state.step}/{cfg.max_steps} {took}, {state.tokens_seen:,} tokens seen; "
-            f"{losses}; run dir {cfg.out_dir} ({files}" + (f"; {weights})" if weights else "; no final weights yet)")
+            f"{losses}; run dir {cfg.out_dir} ({files}; {weights})"
         )
 
 

@@ -55,7 +55,7 @@ def test_sample_eval_and_export_of_a_run_without_final_weights_use_its_newest_ch
 def test_a_run_continued_and_stopped_is_read_at_its_newest_checkpoint(tiny_run: Path, tmp_path: Path) -> None:
     """A finished run (final weights of step 4) continued with a larger max_steps and stopped (SIGTERM) after a
     later checkpoint: sample, eval and export read that checkpoint, and say so (before: the step-4 final weights,
-    silently)."""
+    silently); the stopped run's last line says the final weights there are older."""
     run = Path(shutil.copytree(tiny_run, tmp_path / "run"))
     data_dir = yaml.safe_load((run / "config.yaml").read_text())["data_dir"]
     flags = [*TINY_RUN_FLAGS, "--data_dir", data_dir, "--out_dir", str(run), "--resume", "auto"]
@@ -69,6 +69,8 @@ def test_a_run_continued_and_stopped_is_read_at_its_newest_checkpoint(tiny_run: 
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0 and "stop requested" in log.read_text()
+    # its last line names the older final weights left in the folder (before: "no final weights yet")
+    assert "; the final weights are step 4's, older than this)" in log.read_text(), log.read_text()[-2000:]
     newest = complete_checkpoints(run)[-1]
     assert (
         int(newest.name.removeprefix("step_")) >= 6 and json.loads((run / "model_config.json").read_text())["step"] == 4
