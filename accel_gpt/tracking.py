@@ -24,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from accel_gpt.checkpoint import TrainState, final_step, complete_checkpoints
+from accel_gpt.checkpoint import TrainState, complete_checkpoints, final_step
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.metrics import METRICS, MetricsFile, read_metrics
