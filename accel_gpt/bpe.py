@@ -186,10 +186,16 @@ def read(path: Path, sha256: str | None = None) -> tuple[str, BPE]:
     return text, made
 
 
-@lru_cache(maxsize=8)
 def load(path: str, sha256: str) -> BPE:
     """The tokenizer at `path`, checked against its recorded fingerprint; once per process."""
-    return read(Path(path), sha256)[1]
+    return load_with_text(path, sha256)[1]
+
+
+@lru_cache(maxsize=8)
+def load_with_text(path: str, sha256: str) -> tuple[str, BPE]:
+    """`load`, and the file's text as read then: a folder may go after it was read (a checkpoint a run prunes while
+    export reads it), and the text is what the export writes."""
+    return read(Path(path), sha256)
 
 
 @lru_cache(maxsize=8)

@@ -41,7 +41,7 @@ from accel_gpt.bpe import TOKENIZER_FILE
 from accel_gpt.config import TrainConfig, save_yaml, yaml_text
 from accel_gpt.errors import StartRefused, UserError
 from accel_gpt.files import lock_holder, locked, remove
-from accel_gpt.weights import RUN_FILE, write_folder_run
+from accel_gpt.weights import RUN_FILE, is_checkpoint_name, write_folder_run
 
 logger = get_logger(__name__)
 
@@ -107,7 +107,7 @@ class RunDir:
         if any((self.path / "checkpoints").glob("step_*")) or (self.path / "model.safetensors").exists():
             return
         for name in run_files(self.path):
-            remove(self.path / name)
+            remove_own(self.path / name)
 
     def _check_new_run(self) -> list[str]:
         """A new run's folder holds no other run, or `overwrite` says to replace it; returns the files to replace."""
@@ -122,11 +122,11 @@ class RunDir:
     def _remove_old_run(self) -> None:
         """`overwrite`: the earlier run's files go before the new run writes any (checked again: under the lock)."""
         old = self._check_new_run()
-        for name in old:
-            remove(self.path / name)
+        kept = [entry for name in old for entry in remove_own(self.path / name)]
         if old:
             why = "overwrite" if self.cfg.overwrite else "a run that stopped before its first step"
-            logger.info(f"{why}: removed the earlier run's {', '.join(old)} from {self.path}")
+            left = f"; left what no run writes there: {', '.join(kept)}" if kept else ""
+            logger.info(f"{why}: removed the earlier run's {', '.join(old)} from {self.path}{left}")
 
 
 def check_out_dir(out_dir: str) -> None:
@@ -136,6 +136,12 @@ def check_out_dir(out_dir: str) -> None:
     path = Path(out_dir)
     if path.exists() and not path.is_dir():
         raise UserError(f"out_dir {path} is a file, not a folder; choose another out_dir")
+    dangling = next((p for p in (path, *path.parents) if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:
+        raise UserError(
+            f"out_dir {path} cannot be created: {dangling} is a link to {os.readlink(dangling)}, which does not exist; "
+            "create that folder, or choose another out_dir"
+        )
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise UserError(f"out_dir {path} cannot be created: {existing} is a file")
@@ -224,6 +230,32 @@ def never_stepped(folder: Path, cfg: TrainConfig) -> bool:
         if current.get(name) == "auto" and name in saved:
             current[name] = saved[name]
     return saved == current
+
+
+def own_entry(folder: str, name: str) -> bool:
+    """Whether `name` in a run's `checkpoints/` or `logs/` is what a run writes there: checkpoints, retired lines
+    and a save's or a deletion's leftovers; the trackers' folders (TensorBoard's under the project's name, W&B's,
+    MLflow's, Aim's)."""
+    if folder == "checkpoints":
+        return is_checkpoint_name(name) or name.startswith(("retired-", ".tmp-", ".trash-"))
+    return name in ("accel_gpt", "wandb", "mlruns", ".aim")
+
+
+def remove_own(path: Path) -> list[str]:
+    """Delete a run's file or folder; of `checkpoints/` and `logs/`, only what a run writes there (a user's notes or
+    hand-made copies beside them stay, and so does the folder then). Returns what stayed."""
+    if path.name not in ("checkpoints", "logs") or path.is_symlink() or not path.is_dir():
+        remove(path)
+        return []
+    kept = []
+    for entry in sorted(path.iterdir()):
+        if own_entry(path.name, entry.name):
+            remove(entry)
+        else:
+            kept.append(f"{path.name}/{entry.name}")
+    if not kept:
+        path.rmdir()
+    return kept
 
 
 def run_files(folder: Path) -> list[str]:

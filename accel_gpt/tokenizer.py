@@ -122,8 +122,8 @@ class Tokenizer:
         return cls(d["name"], d.get("chars") or "")
 
     def definition(self) -> str:
-        """A bpe's tokenizer.json text, checked against its fingerprint."""
-        return bpe.read(Path(self.file), self.sha256)[0]
+        """A bpe's tokenizer.json text, checked against its fingerprint (as first read: `bpe.load_with_text`)."""
+        return bpe.load_with_text(self.file, self.sha256)[0]
 
     def copy_to(self, folder: Path) -> None:
         """A bpe's tokenizer.json into `folder` (written whole or not at all), unless it is there already."""

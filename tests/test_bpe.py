@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -432,3 +433,26 @@ def test_a_corpus_larger_than_the_cap_is_cut_and_said(tmp_path: Path, text_file:
     line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("tokenizer: a byte-level BPE"))
     assert "learned from 5,000 characters of the train split" in line
     assert "(capped at --tokenizer_chars 5,000)" in line
+
+
+def test_an_export_of_a_checkpoint_pruned_while_it_is_exported_writes_its_tokenizer(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run training in the folder prunes the checkpoint being exported after its weights and tokenizer were read
+    (simulated: the folder goes just before the transformers model is built): the export writes the tokenizer as
+    it was read, where before it read tokenizer.json again and said it was missing."""
+    import accel_gpt.export as export_module
+
+    run = Path(shutil.copytree(run_dir, tmp_path / "run"))
+    for name in ("model.safetensors", "model_config.json", bpe.TOKENIZER_FILE):  # still training: no final weights
+        (run / name).unlink()
+    newest = run / "checkpoints" / "step_00000006"
+    build = export_module.to_transformers
+
+    def pruned_first(*args, **kwargs):
+        shutil.rmtree(newest)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "to_transformers", pruned_first)
+    out = export_module.export(run, tmp_path / "hf")
+    assert (out / "tokenizer.json").is_file() and not newest.exists()

@@ -176,6 +176,34 @@ def test_second_run_into_a_used_folder_is_refused_then_overwrite_replaces_it(dat
     assert (out / "notes.txt").read_text() == "the user's own file"  # only the trainer's own files are replaced
 
 
+@pytest.mark.slow
+def test_overwrite_keeps_what_no_run_writes_inside_checkpoints_and_logs(data: Path, tmp_path: Path) -> None:
+    """A user's notes and hand-made copies inside `checkpoints/` and `logs/` stay through `--overwrite true` (before:
+    deleted with the folders), and the log names them; the run's own checkpoints, retired line and tracker folder go.
+    """
+    out = tmp_path / "R"
+    _train(data, out, "--max_steps", "2", "--save_every", "1")
+    (out / "logs" / "accel_gpt").mkdir(parents=True)  # as TensorBoard writes it (not installed in every test venv)
+    (out / "logs" / "accel_gpt" / "events.out.tfevents.1").write_bytes(b"")
+    shutil.copytree(out / "checkpoints" / "step_00000001", out / "checkpoints" / "my_best_step1")
+    (out / "checkpoints" / "retired-20260101T000000Z").mkdir()
+    (out / "checkpoints" / "notes.txt").write_text("mine")
+    (out / "logs" / "my_notes.txt").write_text("mine too")
+    proc = _train(data, out, "--max_steps", "1", "--save_every", "0", "--overwrite", "true")
+    assert "left what no run writes there: checkpoints/my_best_step1, checkpoints/notes.txt, logs/my_notes.txt" in (
+        proc.stderr
+    ), proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["my_best_step1", "notes.txt"]
+    assert [p.name for p in (out / "logs").iterdir()] == ["my_notes.txt"]
+
+
+def test_an_out_dir_through_a_broken_link_is_named(capsys: pytest.CaptureFixture, data: Path, tmp_path: Path) -> None:
+    (tmp_path / "dang").symlink_to(tmp_path / "gone")
+    err = refused(capsys, tmp_path / "dang", data)
+    assert f"{tmp_path / 'dang'} is a link to {tmp_path / 'gone'}, which does not exist" in err, err
+    assert "link to" in refused(capsys, tmp_path / "dang" / "run", data)
+
+
 def test_a_full_disk_is_told_by_the_error_or_by_the_size_of_the_write(tmp_path: Path) -> None:
     """Libraries wrap ENOSPC in errors of their own: the chain and the words are read, and where neither says why
     (torch's writer), a write that needed more than was free is a full disk. Other failures are not called one."""
