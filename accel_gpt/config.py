@@ -768,8 +768,9 @@ class PrepareConfig(Config):
         "", "bpe: use this tokenizer.json (an earlier prepare's) instead of training one; every part of one prepare"
     )
     tokenizer_chars: int = option(
-        2_000_000_000,
-        "bpe: learn the tokenizer from at most the first N characters of train",
+        200_000_000,
+        "bpe: learn the tokenizer from at most the first N characters of train (more: a few tenths of a percent "
+        "better compression for far more time)",
         bounds="[1, inf)",
     )
     out_dir: str = option("data/shards", "where shards and manifest.json go: train's data_dir (presets set their own)")
