@@ -116,11 +116,6 @@ def load_weights(folder: Path) -> tuple[GPT, ModelCard]:
         raise UserError(f"{folder} has {MODEL_CONFIG} but no {WEIGHTS}")
     check_as_saved(folder)
     open(weights, "rb").close()  # a file this process may not read is said as such, not as safetensors' own error
-    if card.weights_sha256 and read_marker(folder) is None and sha256_file(weights) != card.weights_sha256:
-        raise UserError(
-            f"{weights} is not the file its {MODEL_CONFIG} was written with (sha256): replaced or changed since; put "
-            "back the pair as the run wrote them, or use a checkpoint"
-        )
     try:
         state = load_file(str(weights))
     except Exception as e:  # safetensors raises its own error types for corrupt headers or data
@@ -139,6 +134,11 @@ def load_weights(folder: Path) -> tuple[GPT, ModelCard]:
     broken = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
     if broken is not None:
         raise UserError(f"{weights} holds NaN or infinite values ({broken}): these weights cannot be used")
+    if card.weights_sha256 and read_marker(folder) is None and sha256_file(weights) != card.weights_sha256:
+        raise UserError(  # after the checks that name damage: a file that reads and fits is another's weights
+            f"{weights} is not the file its {MODEL_CONFIG} was written with (sha256): replaced or changed since; put "
+            "back the pair as the run wrote them, or use a checkpoint"
+        )
     return model.eval(), card
 
 

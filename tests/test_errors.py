@@ -582,7 +582,7 @@ FULL_DISK_WRITERS = {
             "--log_with",
             "none",
         ],  # fmt: skip
-        12 << 10,  # its config.yaml and accelerate_env.txt fit, then some 30 rows
+        16 << 10,  # its config.yaml, accelerate_env.txt and run.json fit, then some 30 rows
         "{disk}/run/metrics.jsonl",
         ["run"],
     ),

@@ -103,11 +103,24 @@ def test_a_new_run_refuses_a_folder_with_any_run_file(
 ) -> None:
     out = tmp_path / "run"
     out.mkdir()
-    (out / name).mkdir() if name in ("checkpoints", "logs") else (out / name).write_text("an earlier run's")
+    if name in ("checkpoints", "logs"):  # a folder of a run's holds something (an empty one holds no run: below)
+        (out / name / ("step_00000001" if name == "checkpoints" else "accel_gpt")).mkdir(parents=True)
+    else:
+        (out / name).write_text("an earlier run's")
     before = snapshot(out)
     err = refused(capsys, out, data)
     assert f"out_dir {out} holds another run ({name})" in err and "--overwrite true" in err
     assert snapshot(out) == before
+
+
+def test_empty_run_folders_hold_no_run(data: Path, tmp_path: Path) -> None:
+    """`checkpoints/` made ahead (or linked to an empty store) and an empty `logs/`: nothing to lose, so a new run
+    trains there (before: refused as "another run")."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "logs").mkdir()
+    assert "finished at step 1/1" in _train(data, out, "--max_steps", "1", "--save_every", "1").stderr
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000001"]
 
 
 def test_a_folder_in_use_is_refused_without_touching_its_lock(
