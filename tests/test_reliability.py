@@ -41,6 +41,7 @@ from accel_gpt.config import TrainConfig
 from accel_gpt.files import LOCK
 from accel_gpt.modelcard import model_card
 from accel_gpt.optim import lr_multiplier
+from accel_gpt.weights import RUN_FILE as RUN
 from accel_gpt.weights import load_model, read_model_config
 
 pytestmark = pytest.mark.slow
@@ -433,7 +434,13 @@ def test_a_full_disk_for_the_weights_file_or_the_final_weights_is_one_line(data:
         r"\(save_every 0\), so they are lost: make room, then train again",
         the_error(final, "0"),
     )
-    assert sorted(p.name for p in final.iterdir()) == [".lock", "accelerate_env.txt", "config.yaml", "metrics.jsonl", "run.json"]
+    assert sorted(p.name for p in final.iterdir()) == [
+        ".lock",
+        "accelerate_env.txt",
+        "config.yaml",
+        "metrics.jsonl",
+        RUN,
+    ]
 
 
 def test_the_card_of_best_weights_tells_how_they_were_picked_and_the_command_that_trained_them(
@@ -534,7 +541,7 @@ def test_final_weights_much_larger_than_the_space_left_are_one_line(gpt2_data: P
     )
     assert match, line
     assert 13.0 < float(match.group(1)) < 13.6 and float(match.group(2)) < 3.2
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "accelerate_env.txt", "config.yaml", "metrics.jsonl", "run.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "accelerate_env.txt", "config.yaml", "metrics.jsonl", RUN]
 
 
 def test_a_folder_turned_read_only_during_a_run_is_one_line(data: Path, small_disk: Path) -> None:
