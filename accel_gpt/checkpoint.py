@@ -88,6 +88,9 @@ from accel_gpt.weights import (
     CHECKPOINTS,
     COMPLETE,
     MODEL_CONFIG,
+    RETIRED_PREFIX,
+    TMP_PREFIX,
+    TRASH_PREFIX,
     WEIGHTS,
     ModelCard,
     checkpoint_name,
@@ -106,9 +109,6 @@ from accel_gpt.workarounds import check_pickles_are_safe, drop_tied_head, first_
 
 logger = get_logger(__name__)
 
-TMP_PREFIX = ".tmp-"  # a save in progress (or killed mid-way)
-TRASH_PREFIX = ".trash-"  # a checkpoint being deleted
-RETIRED_PREFIX = "retired-"  # checkpoints of an abandoned line (after a rollback by path)
 TRAIN_STATE_FILE = "custom_checkpoint_0.pkl"  # Accelerate's name for the first registered object
 FSDP_MODEL_PREFIX = "pytorch_model_fsdp"  # Accelerate's name for the model saved under FSDP (sharded or not)
 # Fields that a resumed run must share with its checkpoint: the model's shape, the global batch (it fixes how

@@ -41,7 +41,14 @@ from accel_gpt.bpe import TOKENIZER_FILE
 from accel_gpt.config import TrainConfig, save_yaml, yaml_text
 from accel_gpt.errors import StartRefused, UserError
 from accel_gpt.files import lock_holder, locked, remove
-from accel_gpt.weights import RUN_FILE, is_checkpoint_name, write_folder_run
+from accel_gpt.weights import (
+    RETIRED_PREFIX,
+    RUN_FILE,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    is_checkpoint_name,
+    write_folder_run,
+)
 
 logger = get_logger(__name__)
 
@@ -237,7 +244,7 @@ def own_entry(folder: str, name: str) -> bool:
     and a save's or a deletion's leftovers; the trackers' folders (TensorBoard's under the project's name, W&B's,
     MLflow's, Aim's)."""
     if folder == "checkpoints":
-        return is_checkpoint_name(name) or name.startswith(("retired-", ".tmp-", ".trash-"))
+        return is_checkpoint_name(name) or name.startswith((RETIRED_PREFIX, TMP_PREFIX, TRASH_PREFIX))
     return name in ("accel_gpt", "wandb", "mlruns", ".aim")
 
 

@@ -45,6 +45,9 @@ TIED_HEAD = "lm_head.weight"  # GPT-2's: stored once, as transformer.wte.weight
 CHECKPOINTS = "checkpoints"  # a run dir's folder of step_* checkpoints
 COMPLETE = "COMPLETE"  # a checkpoint's marker, written last: the folder is complete
 RUN_FILE = "run.json"  # {"run": id}: the run a run dir holds
+TMP_PREFIX = ".tmp-"  # in checkpoints/: a save in progress (or killed mid-way)
+TRASH_PREFIX = ".trash-"  # in checkpoints/: a checkpoint being deleted
+RETIRED_PREFIX = "retired-"  # in checkpoints/: checkpoints of an abandoned line (after a rollback by path)
 
 logger = logging.getLogger(__name__)
 
