@@ -35,12 +35,12 @@ from conftest import (
 from accel_gpt.cli import main as cli_main
 from accel_gpt.cli import parse
 from accel_gpt.config import PrepareConfig
-from accel_gpt.data import shards
+from accel_gpt.data import shards, sources
 from accel_gpt.data.encode import encode_pieces, iter_pieces, make_tasks
 from accel_gpt.data.merge import merge_parts
 from accel_gpt.data.pipeline import STATE_FILE
 from accel_gpt.data.prepare import Job, prepare
-from accel_gpt.data.sources import BUNDLED_TEXT, resolve_source
+from accel_gpt.data.sources import BUNDLED_TEXT, load_split, resolve_source
 from accel_gpt.errors import ConfigError, DataError
 from accel_gpt.files import LOCK
 from accel_gpt.tokenizer import GPT2_EOT, Tokenizer
@@ -927,3 +927,36 @@ def test_a_folder_without_data_says_how_to_prepare_it(tmp_path: Path) -> None:
         assert message.startswith(start)
         assert f"`run.py prepare --dataset SRC --out_dir {folder}`" in message
         assert f"`run.py prepare --preset NAME --out_dir {folder}` (NAME: fineweb-edu-10B, shakespeare-char" in message
+
+
+def mapped_resident(path: str) -> int:
+    """Bytes of `path`'s memory mappings resident in this process (/proc/self/smaps)."""
+    resident, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+            inside = len(fields) == 6 and fields[5] == path
+        elif inside and fields[0] == "Rss:":
+            resident += int(fields[1]) * 1024
+    return resident
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
+def test_a_pass_over_the_datasets_cache_keeps_a_bounded_part_of_it_resident(tmp_path: Path, monkeypatch) -> None:
+    """Reading 60 MB of text from its memory-mapped Arrow cache: without releases every page read stays in the RSS
+    (so 1 GB of text was 1 GB of RSS); with them, at most the text read between two releases (8 MB here)."""
+    text = tmp_path / "big.txt"
+    shakespeare = BUNDLED_TEXT.read_text()  # 1.1 MB
+    text.write_text("".join(f"{i}\n{shakespeare}" for i in range(55)))
+    ds = load_split(resolve_source(str(text)), "train", opts(tmp_path, text))
+    (cache,) = (entry["filename"] for entry in ds.cache_files)
+    seen = {}
+    for release in (1 << 40, 8 << 20):
+        monkeypatch.setattr(sources, "RELEASE_BYTES", release)
+        sources.release_mapped({cache})
+        chars = sum(len(t) for t in sources.Stream(ds, "text", "train").texts())
+        seen[release] = mapped_resident(cache)
+    assert chars > 59_000_000
+    assert seen[1 << 40] > 50_000_000, seen  # the growth the releases prevent is what this measures
+    assert seen[8 << 20] < 20_000_000, seen

@@ -6,6 +6,7 @@ and the tokenizer workers never load them.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import re
@@ -147,14 +148,43 @@ class Stream:
         import pyarrow as pa
 
         ds = self.dataset
+        mapped = {entry["filename"] for entry in getattr(ds, "cache_files", None) or []}
         if start:
             ds = ds.skip(start) if _is_iterable(ds) else ds.select(range(start, len(ds)))
         batches = ds.select_columns([self.column]).with_format("arrow").iter(batch_size=READ_ROWS)
+        unreleased = 0
         try:
             for table in batches:
                 yield from table.column(0).to_pylist()
+                unreleased += table.nbytes
+                if mapped and unreleased >= RELEASE_BYTES:
+                    release_mapped(mapped)
+                    unreleased = 0
         except (datasets.exceptions.DatasetGenerationError, pa.ArrowInvalid, UnicodeDecodeError) as e:
             raise DataError(_load_error("the dataset", e)) from None
+
+
+# Text read from a memory-mapped Arrow cache between two `release_mapped` calls.
+RELEASE_BYTES = 64 << 20
+MADV_DONTNEED = 4  # Linux's <sys/mman.h>
+
+
+def release_mapped(paths: set[str]) -> None:
+    """Drop this process's resident pages of its memory mappings of the files `paths`, which it only reads: a later
+    read maps them again from the page cache. Without it a pass over a `datasets` cache keeps every page it read
+    resident, and the process's RSS grows by the whole cache (1 GB of text: 1 GB of RSS), which a scheduler that
+    polices RSS counts against the job although the kernel could reclaim it. Linux only; elsewhere nothing."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] in paths and "w" not in fields[1]:
+            start, end = (int(bound, 16) for bound in fields[0].split("-"))
+            madvise(start, end - start, MADV_DONTNEED)
 
 
 def open_streams(source: Source, cfg: PrepareConfig, index: int = 0, count: int = 1) -> list[Stream]:
