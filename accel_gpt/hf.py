@@ -83,6 +83,7 @@ def gpt2_config(cfg: GPTConfig, vocab_size: int | None = None) -> GPT2Config:
     return GPT2Config(
         vocab_size=vocab_size,
         n_positions=cfg.seq_len,
+        n_ctx=cfg.seq_len,  # what llama.cpp's convert_hf_to_gguf.py reads (OpenAI's gpt2 config.json has it)
         n_embd=cfg.n_embd,
         n_layer=cfg.n_layer,
         n_head=cfg.n_head,

@@ -293,6 +293,7 @@ def test_export_writes_a_complete_gpt2_folder(exported):
     assert {"tokenizer_config.json", "vocab.json", "merges.txt"} <= names
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == 50_257 and config["n_positions"] == TINY["seq_len"]
+    assert config["n_ctx"] == TINY["seq_len"]  # llama.cpp's convert_hf_to_gguf.py reads it, as in OpenAI's gpt2
     assert config["activation_function"] == "gelu_new" and config["layer_norm_epsilon"] == 1e-3
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 50_256
     assert not [p for p in out.parent.iterdir() if ".tmp-" in p.name]  # the staging folder is gone
