@@ -4,6 +4,12 @@ text.
 
     python bench/vocab_sweep.py --shape tiny-cpu --seconds 60
     python bench/vocab_sweep.py --shape char-recipe --seconds 180 --vocabs char,2048 -- --arch nanochat
+    python bench/vocab_sweep.py --text numbers.txt --vocabs 4096,4096:N1,4096:N3
+
+A BPE's size may name another split of digit runs to learn with (`SIZE:N1`: single digits, llama.cpp's
+`bailingmoe` pre-tokenizer; `SIZE:N3`: runs of up to three, its `llama-bpe`; plain `SIZE`: accel_gpt's up to two),
+for the GGUF export's choice of pre-tokenizer. `--text` replaces the bundled tiny Shakespeare (a text with numbers
+for that choice).
 
 The text is the bundled tiny Shakespeare: its first 10% (cut at a blank line; `--held_out last`: its last 10%, as
 nanoGPT holds it out) is the held-out document and the rest the training document, the same two for every
@@ -36,10 +42,10 @@ SHAPES = {"tiny-cpu": "tiny-cpu", "char-recipe": "shakespeare-char-cpu"}
 TEXT = REPO / "accel_gpt" / "data" / "tinyshakespeare.txt"
 
 
-def split_text(held_out: str) -> tuple[str, str]:
+def split_text(held_out: str, source: Path = TEXT) -> tuple[str, str]:
     """The held-out text and the training text: `first`, the first ~10% (up to a blank line); `last`, the last 10%
     exactly as nanoGPT's shakespeare_char cuts it (`data[int(n * 0.9):]`), whose loss its README reports."""
-    text = TEXT.read_text(encoding="utf-8")
+    text = source.read_text(encoding="utf-8")
     if held_out == "last":
         cut = int(len(text) * 0.9)
         return text[cut:], text[:cut]
@@ -76,7 +82,9 @@ def prepared(work: Path, name: str, held_out: str, rest: str) -> Path:
         (work / "train.txt").write_text(rest)
         learned = work / f"tokenizer-{name}"
         shutil.rmtree(learned, ignore_errors=True)
-        run_prepare(["--dataset", str(work / "train.txt"), "--tokenizer", "bpe", "--vocab_size", name], learned, work)
+        size, _, digits = name.partition(":")
+        flags = ["--dataset", str(work / "train.txt"), "--tokenizer", "bpe", "--vocab_size", size]
+        run_prepare(flags, learned, work, DIGIT_RUNS[digits])
         val = 1 + len(Tokenizer.bpe_file(learned / "tokenizer.json").encode(held_out))
         flags = ["--tokenizer", "bpe", "--tokenizer_file", str(learned / "tokenizer.json")]
     run_prepare(["--dataset", str(corpus), *flags, "--val_tokens", str(val)], data, work)
@@ -85,8 +93,22 @@ def prepared(work: Path, name: str, held_out: str, rest: str) -> Path:
     return data
 
 
-def run_prepare(flags: list[str], out: Path, work: Path) -> None:
-    run([sys.executable, "run.py", "prepare", *flags, "--out_dir", str(out)], work / "prepare.log")
+def run_prepare(flags: list[str], out: Path, work: Path, digits: str = "") -> None:
+    """`run.py prepare FLAGS`; with `digits`, its BPE learns with that digit-run alternative in the split instead."""
+    if not digits:
+        run([sys.executable, "run.py", "prepare", *flags, "--out_dir", str(out)], work / "prepare.log")
+        return
+    learn_with = (
+        "import sys; from accel_gpt import bpe; from accel_gpt.cli import main; "
+        f"bpe.SPLIT_PATTERN = bpe.SPLIT_PATTERN.replace({DIGIT_RUNS['']!r}, {digits!r}); "
+        "pre = bpe._pre_tokenizer; bpe._pre_tokenizer = lambda pattern=bpe.SPLIT_PATTERN: pre(pattern); "
+        "main(sys.argv[1:])"
+    )
+    run([sys.executable, "-c", learn_with, "prepare", *flags, "--out_dir", str(out)], work / "prepare.log")
+
+
+# A BPE name's suffix -> the split's digit-run alternative it learns with ("": accel_gpt's own).
+DIGIT_RUNS = {"": r"\p{N}{1,2}", "N1": r"\p{N}", "N3": r"\p{N}{1,3}"}
 
 
 def main() -> None:
@@ -95,14 +117,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--vocabs", default="char,512,1024,2048,4096,8192,gpt2")
     parser.add_argument("--held_out", choices=("first", "last"), default="first")
+    parser.add_argument("--text", type=Path, default=TEXT, help="the text (default: the bundled tiny Shakespeare)")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     print(header("bench/vocab_sweep.py"))
     print(f"shape {args.shape} ({SHAPES[args.shape]}), {args.seconds:g} s of steps each, one thread, flags {extra}")
-    work = RUNS / f"vocab_sweep-{args.held_out}"
+    work = RUNS / f"vocab_sweep-{args.held_out}" / ("" if args.text == TEXT else args.text.stem)
     work.mkdir(parents=True, exist_ok=True)
-    held_out, rest = split_text(args.held_out)
+    held_out, rest = split_text(args.held_out, args.text)
     print("| tokenizer | ids | parameters | steps | train CPU s | val bits per byte |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name in args.vocabs.split(","):
@@ -127,7 +150,8 @@ def main() -> None:
         card = json.loads((out / "model_config.json").read_text())
         params = parameters(card["model"])
         print(
-            f"| {name if name in ('char', 'gpt2') else 'bpe'} | {manifest['vocab_size']:,} | {params / 1e6:.2f}M | "
+            f"| {name if name in ('char', 'gpt2') else 'bpe ' + DIGIT_RUNS[name.partition(':')[2]]} | "
+            f"{manifest['vocab_size']:,} | {params / 1e6:.2f}M | "
             f"{card['step']:,} | {cpu:.0f} | {result['val_bpb']:.4f} |",
             flush=True,
         )
