@@ -100,6 +100,7 @@ def run_prepare(flags: list[str], out: Path, work: Path, digits: str = "") -> No
         return
     learn_with = (
         "import sys; from accel_gpt import bpe; from accel_gpt.cli import main; "
+        f"assert {DIGIT_RUNS['']!r} in bpe.SPLIT_PATTERN, 'the split no longer has the digit runs this replaces'; "
         f"bpe.SPLIT_PATTERN = bpe.SPLIT_PATTERN.replace({DIGIT_RUNS['']!r}, {digits!r}); "
         "pre = bpe._pre_tokenizer; bpe._pre_tokenizer = lambda pattern=bpe.SPLIT_PATTERN: pre(pattern); "
         "main(sys.argv[1:])"
