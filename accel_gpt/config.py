@@ -864,7 +864,16 @@ class SampleConfig(Config):
 class ExportConfig(Config):
     command: ClassVar[str] = "export"
     checkpoint: str = option("", "run dir or checkpoint dir", required=True)
-    out_dir: str = option("", "a new or empty folder for from_pretrained", required=True)
+    out_dir: str = option(
+        "", "a new or empty folder for from_pretrained (or for the .gguf with --format gguf)", required=True
+    )
+    format: Literal["transformers", "gguf"] = option(
+        "transformers",
+        "transformers (a from_pretrained folder) or gguf (one file for llama.cpp and ollama: gpt2 block)",
+    )
+    outtype: Literal["f32", "f16", "bf16"] = option(
+        "f32", "gguf: the weight matrices' type (norms and biases stay f32)"
+    )
     license: str = option("mit", "the model card's license: a Hub license id (mit, apache-2.0, cc-by-4.0, other, ...)")
     push_to_hub: str = option("", "then upload the folder to this Hub model repo (NAME or OWNER/NAME; needs a token)")
     private: bool = option(False, "push_to_hub: create the repo private (an existing repo keeps its visibility)")
@@ -876,6 +885,8 @@ class ExportConfig(Config):
             raise ConfigError(f"push_to_hub={self.push_to_hub!r} is not a repo id: NAME or OWNER/NAME")
         if self.private and not self.push_to_hub:
             raise ConfigError("private=true is for --push_to_hub REPO_ID: nothing is uploaded without it")
+        if self.outtype != "f32" and self.format != "gguf":
+            raise ConfigError(f"outtype={self.outtype} is for --format gguf; the transformers export is float32")
 
 
 @dataclass

@@ -33,6 +33,15 @@ from accel_gpt.files import make_shareable, replacing, tensor_bytes, write_or_re
 from accel_gpt.hf import EVAL_RECORD, set_end_of_text, to_transformers
 from accel_gpt.modelcard import CARD, model_card
 from accel_gpt.rundir import read_run_config, run_of
+from accel_gpt.to_gguf import (
+    GGUF_FILE,
+    MODELFILE,
+    check_exportable,
+    context_limit,
+    describe_gguf,
+    modelfile,
+    write_gguf,
+)
 from accel_gpt.tokenizer import Tokenizer, gpt2_vocab_and_merges
 from accel_gpt.weights import load_model
 
@@ -41,9 +50,16 @@ TOKENIZER_BYTES = 4 << 20
 
 
 def export(
-    path: str | Path, out_dir: str | Path, license: str = "mit", title: str | None = None, load_as: str | None = None
+    path: str | Path,
+    out_dir: str | Path,
+    license: str = "mit",
+    title: str | None = None,
+    load_as: str | None = None,
+    fmt: str = "transformers",
+    outtype: str = "f32",
 ) -> Path:
-    """Write the model at `path` (run dir or checkpoint) as a transformers folder; returns that folder.
+    """Write the model at `path` (run dir or checkpoint) as a transformers folder, or with `fmt="gguf"` as a folder
+    holding its GGUF file (`outtype` weights) and an ollama Modelfile; returns that folder.
 
     The model card is headed `title` (default: the folder's name) and its examples load `load_as` (default:
     `out_dir` as given; the repo id when the folder goes to the Hub)."""
@@ -60,21 +76,34 @@ def export(
         )
     if card.model.vocab_size < tok.vocab_size:
         raise UserError(f"{path} has vocab_size={card.model.vocab_size}, fewer than its tokenizer's {tok.vocab_size}")
+    if fmt == "gguf":
+        check_exportable(card.model, tok, path)
     hf_model = to_transformers(model, vocab_size=tok.vocab_size)
     set_end_of_text(hf_model, tok.eot_token, card.model.seq_len)
     windows = val_windows_of_run(path)
     if windows is not None:
         setattr(hf_model.config, EVAL_RECORD, {"eval_windows": windows})
-    readme = model_card(path, card, hf_model.num_parameters(), license, title or out.name, load_as or str(out_dir))
-    tokenizer, files = transformers_tokenizer(tok, card.model.seq_len)
+    title = title or out.name
+    readme = model_card(path, card, hf_model.num_parameters(), license, title, load_as or str(out_dir), fmt)
+    seq_len = card.model.seq_len
+    if fmt == "gguf":
+        files = {MODELFILE: modelfile(seq_len)}
+
+        def save(stage: Path) -> None:
+            write_gguf(stage / GGUF_FILE, hf_model, tok, outtype, title, license)
+    else:
+        tokenizer, files = transformers_tokenizer(tok, seq_len)
+
+        def save(stage: Path) -> None:
+            hf_model.save_pretrained(stage)
+            tokenizer.save_pretrained(stage)
 
     def write() -> None:  # on a failure the staging folder is already gone (see `replacing`)
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
             with replacing(out) as stage:
                 stage.mkdir()
-                hf_model.save_pretrained(stage)
-                tokenizer.save_pretrained(stage)
+                save(stage)
                 for name, text in files.items():
                     (stage / name).write_text(text, encoding="utf-8")
                 (stage / CARD).write_text(readme, encoding="utf-8")
@@ -179,10 +208,15 @@ def run_export(cfg: ExportConfig) -> None:
         check_can_push(cfg.push_to_hub)
     hf_logging.disable_progress_bar()  # save_pretrained's bar for one shard is noise in a one-line command
     title = cfg.push_to_hub.split("/")[-1] if cfg.push_to_hub else None
-    out = export(cfg.checkpoint, cfg.out_dir, cfg.license, title, cfg.push_to_hub or None)
-    model_class = json.loads((out / "config.json").read_text())["architectures"][0]
-    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
-    what = "GPT-2 tokenizer" if (out / "merges.txt").is_file() else "its bpe tokenizer"
-    print(f"exported {cfg.checkpoint} -> {out} ({model_class} + {what}, vocab {vocab}, model card)")
+    out = export(cfg.checkpoint, cfg.out_dir, cfg.license, title, cfg.push_to_hub or None, cfg.format, cfg.outtype)
+    if cfg.format == "gguf":
+        what, positions = describe_gguf(out / GGUF_FILE)
+        print(f"exported {cfg.checkpoint} -> {out / GGUF_FILE} ({what}; {MODELFILE}, model card)")
+        print(context_limit(positions))
+    else:
+        model_class = json.loads((out / "config.json").read_text())["architectures"][0]
+        vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+        what = "GPT-2 tokenizer" if (out / "merges.txt").is_file() else "its bpe tokenizer"
+        print(f"exported {cfg.checkpoint} -> {out} ({model_class} + {what}, vocab {vocab}, model card)")
     if cfg.push_to_hub:
         print(f"uploaded {out} -> {push(out, cfg.push_to_hub, cfg.private)}")

@@ -27,6 +27,7 @@ from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.evaluate.val_loss import run_val_windows
 from accel_gpt.metrics import METRICS, read_metrics
 from accel_gpt.rundir import ENV_REPORT, read_run_config, run_of
+from accel_gpt.to_gguf import GGUF_FILE, MODELFILE, context_limit
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.weights import ModelCard
 from accel_gpt.workarounds import check_pickles_are_safe
@@ -163,12 +164,21 @@ def _processes(run: Path) -> int | None:
 # ------------------------------------------------------------------------------------------------ the card
 
 
-def model_card(weights: str | Path, card: ModelCard, n_params: int, license: str, title: str, load_as: str) -> str:
-    """The README.md of an export of `weights`; `load_as` is what `from_pretrained` is given in its examples."""
+def model_card(
+    weights: str | Path,
+    card: ModelCard,
+    n_params: int,
+    license: str,
+    title: str,
+    load_as: str,
+    fmt: str = "transformers",
+) -> str:
+    """The README.md of an export of `weights` (`fmt`: transformers or gguf); `load_as` is what `from_pretrained`
+    is given in its examples."""
     training = read_training(weights, card.step)
     meta: dict[str, Any] = {
         "license": license,
-        "library_name": "transformers",
+        "library_name": fmt,
         "pipeline_tag": "text-generation",
         "tags": [card.model.arch, "accel_gpt"],
     }
@@ -179,18 +189,20 @@ def model_card(weights: str | Path, card: ModelCard, n_params: int, license: str
     parts = [
         f"---\n{yaml.safe_dump(meta, sort_keys=False)}---",
         f"# {title}",
-        f"{ARCHITECTURES[m.arch]}, {n_params / 1e6:.1f}M parameters) trained with accel_gpt: "
+        f"{ARCHITECTURES['gguf' if fmt == 'gguf' else m.arch]}, {n_params / 1e6:.1f}M parameters) trained with "
+        "accel_gpt: "
         f"{m.n_layer} layers, {m.n_head} attention heads{_kv_heads(m)}, a {m.n_embd}-wide residual stream and a "
         f"{m.seq_len}-token context, with {_tokenizer_words(card.tokenizer)}.",
     ]
     parts += _training_section(training, card) if training else _no_run_section(card)
-    parts += _usage_section(m.seq_len, load_as)
+    parts += _gguf_usage_section(m.seq_len) if fmt == "gguf" else _usage_section(m.seq_len, load_as)
     return "\n\n".join(parts) + "\n"
 
 
 # What the card's first line calls each block: the architecture and the transformers class that loads it.
 ARCHITECTURES = {
     "gpt2": "A GPT-2 language model (`GPT2LMHeadModel`",
+    "gguf": "A GPT-2 language model (GGUF, llama.cpp's `gpt2` architecture",
     "nanochat": (
         "A language model with nanochat's block (`NanoChatForCausalLM`: rotary positions, parameter-free RMSNorm, "
         "QK-norm, ReLU² MLP, an untied head with soft-capped logits; transformers >= 5.0"
@@ -357,6 +369,21 @@ def _usage_section(seq_len: int, load_as: str) -> list[str]:
         'after warning that the call "exceeded the model\'s predefined maximum length", fails with '
         "`IndexError: index out of range in self`. (accel_gpt's own `run.py sample` slides the window instead: "
         f"each new token is predicted from the last {seq_len}, and it says so.)",
+    ]
+
+
+def _gguf_usage_section(seq_len: int) -> list[str]:
+    new = max(1, min(40, seq_len // 2))
+    return [
+        "## Use",
+        f'In llama.cpp: `llama-completion -m {GGUF_FILE} -no-cnv -p "ROMEO:" -n {new}` (older builds call it '
+        "`llama-cli`; a plain completion, as the model knows no chat template). In ollama: `ollama create NAME -f "
+        f'{MODELFILE}`, then `ollama run NAME "ROMEO:"`. In Python (llama-cpp-python):',
+        f'```python\nfrom llama_cpp import Llama\n\nllm = Llama("{GGUF_FILE}", n_ctx={seq_len})\n'
+        f'print(llm("ROMEO:", max_tokens={new})["choices"][0]["text"])\n```',
+        f"The model reads at most {seq_len} tokens: its position table has {seq_len} rows. "
+        f"{context_limit(seq_len)}. Generation stops at `<|endoftext|>`, "
+        "where a training document ended; nothing is added before a prompt (training saw no start token).",
     ]
 
 

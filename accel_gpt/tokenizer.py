@@ -102,6 +102,21 @@ class Tokenizer:
         split's tokens, its byte count, which turns a loss per token into bits per byte."""
         return _token_bytes(self)
 
+    def vocab_and_merges(self) -> tuple[dict[str, int], list[tuple[str, str]]]:
+        """A BPE's tokens with their ids, end-of-text included, and its merges in rank order (see
+        `bpe.vocab_and_merges`)."""
+        if self.name == "gpt2":
+            return gpt2_vocab_and_merges()
+        if self.name != "bpe":
+            raise ValueError(f"the {self.name} tokenizer has no merges")
+        vocab, merges = bpe.vocab_and_merges(self._bpe.ranks)
+        return {**vocab, bpe.EOT: self._bpe.eot}, merges
+
+    @property
+    def split_pattern(self) -> str | None:
+        """The regex a bpe splits text with before merging (what its tokenizer.json says); None for the others."""
+        return self._bpe.pattern if self.name == "bpe" else None
+
     def load(self) -> Tokenizer:
         """Read what encoding needs now (GPT-2's BPE files, or the bpe's tokenizer.json checked against its
         fingerprint), so that a missing or changed file is said before work begins."""
@@ -193,19 +208,8 @@ def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     import tiktoken
 
     enc = tiktoken.get_encoding("gpt2")
-    ranks: dict[bytes, int] = enc._mergeable_ranks  # the public API has no accessor for the raw ranks
-    table = bpe.bytes_to_unicode()
-
-    def text(b: bytes) -> str:
-        return "".join(table[x] for x in b)
-
-    vocab = {text(token): rank for token, rank in ranks.items()}
+    vocab, merges = bpe.vocab_and_merges(enc._mergeable_ranks)  # the public API has no accessor for the raw ranks
     vocab.update(enc._special_tokens)
-    merges = [
-        tuple(text(p) for p in bpe.merge_parts(token, ranks))
-        for token, _ in sorted(ranks.items(), key=lambda kv: kv[1])
-        if len(token) > 1
-    ]
     if vocab.get("<|endoftext|>") != GPT2_EOT or len(vocab) != GPT2_VOCAB:
         raise RuntimeError(f"tiktoken's gpt2 encoding is not GPT-2's 50,257-token vocabulary ({len(vocab)})")
     return vocab, merges

@@ -4,10 +4,11 @@ text.
 
     python bench/vocab_sweep.py --shape tiny-cpu --seconds 60
     python bench/vocab_sweep.py --shape char-recipe --seconds 180 --vocabs char,2048 -- --arch nanochat
-    python bench/vocab_sweep.py --text numbers.txt --vocabs 4096,4096:N1,4096:N3
+    python bench/vocab_sweep.py --text numbers.txt --vocabs 4096,4096:N2,4096:N3
 
-A BPE's size may name another split of digit runs to learn with (`SIZE:N1`: single digits, llama.cpp's
-`bailingmoe` pre-tokenizer; `SIZE:N3`: runs of up to three, its `llama-bpe`; plain `SIZE`: accel_gpt's up to two),
+A BPE's size may name another split of digit runs to learn with (`SIZE:N2`: runs of up to two, accel_gpt's
+before it took llama.cpp's `bailingmoe` split; `SIZE:N3`: up to three, as llama.cpp's `llama-bpe`; plain `SIZE` or
+`SIZE:N1`: accel_gpt's own single digits),
 for the GGUF export's choice of pre-tokenizer. `--text` replaces the bundled tiny Shakespeare (a text with numbers
 for that choice).
 
@@ -95,21 +96,22 @@ def prepared(work: Path, name: str, held_out: str, rest: str) -> Path:
 
 def run_prepare(flags: list[str], out: Path, work: Path, digits: str = "") -> None:
     """`run.py prepare FLAGS`; with `digits`, its BPE learns with that digit-run alternative in the split instead."""
-    if not digits:
+    if not digits or digits == DIGIT_RUNS[""]:
         run([sys.executable, "run.py", "prepare", *flags, "--out_dir", str(out)], work / "prepare.log")
         return
+    own, other = f"|{DIGIT_RUNS['']}|", f"|{digits}|"
     learn_with = (
         "import sys; from accel_gpt import bpe; from accel_gpt.cli import main; "
-        f"assert {DIGIT_RUNS['']!r} in bpe.SPLIT_PATTERN, 'the split no longer has the digit runs this replaces'; "
-        f"bpe.SPLIT_PATTERN = bpe.SPLIT_PATTERN.replace({DIGIT_RUNS['']!r}, {digits!r}); "
+        f"assert {own!r} in bpe.SPLIT_PATTERN, 'the split no longer has the digit runs this replaces'; "
+        f"bpe.SPLIT_PATTERN = bpe.SPLIT_PATTERN.replace({own!r}, {other!r}); "
         "pre = bpe._pre_tokenizer; bpe._pre_tokenizer = lambda pattern=bpe.SPLIT_PATTERN: pre(pattern); "
         "main(sys.argv[1:])"
     )
     run([sys.executable, "-c", learn_with, "prepare", *flags, "--out_dir", str(out)], work / "prepare.log")
 
 
-# A BPE name's suffix -> the split's digit-run alternative it learns with ("": accel_gpt's own).
-DIGIT_RUNS = {"": r"\p{N}{1,2}", "N1": r"\p{N}", "N3": r"\p{N}{1,3}"}
+# A BPE name's suffix -> the split's digit-run alternative it learns with ("": accel_gpt's own, single digits).
+DIGIT_RUNS = {"": r"\p{N}", "N1": r"\p{N}", "N2": r"\p{N}{1,2}", "N3": r"\p{N}{1,3}"}
 
 
 def main() -> None:

@@ -59,6 +59,12 @@ OTHER_COMMANDS = {
     ),
     "lm_eval --model hf --model_args pretrained=exports/tiny-cpu-128 --tasks hellaswag_local --include_path "
     "lm_eval_tasks": "its offline twin: test_export_card.py::test_the_offline_lm_eval_recipe_scores_an_export",
+    'llama-completion -m exports/tiny-cpu-gguf/model.gguf -no-cnv -p "ROMEO:" -n 40': (
+        "llama.cpp's CLI; llama.cpp itself runs the file in test_the_gguf_export_runs_in_llama_cpp, test_gguf.py"
+    ),
+    'ollama create tiny-cpu -f exports/tiny-cpu-gguf/Modelfile && ollama run tiny-cpu "ROMEO:"': (
+        "ollama's CLI (not on a CI machine); the Modelfile's lines: test_gguf.py"
+    ),
 }
 
 
@@ -266,6 +272,20 @@ def test_export_loads_in_transformers(
     monkeypatch.chdir(work)
     exec(compile(python_snippet("docs/export.md", "from_pretrained"), "docs/export.md (python block)", "exec"), {})
     assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+@pytest.mark.slow
+def test_the_gguf_export_runs_in_llama_cpp(
+    quickstart: QuickStart, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The page's GGUF export of the quick start's run, then its Python block in llama.cpp (llama-cpp-python)."""
+    work, _ = quickstart
+    out = run_any(doc_command("docs/export.md", "python run.py export", "--format gguf"), work)
+    assert "exports/tiny-cpu-gguf/model.gguf (gpt2, f32, 64 positions, vocab 8,192, pre-tokenizer bailingmoe" in out
+    assert "within 64" in out
+    monkeypatch.chdir(work)
+    exec(compile(python_snippet("docs/export.md", "from llama_cpp"), "docs/export.md (python block)", "exec"), {})
+    assert capsys.readouterr().out.endswith("\n")  # the completion, printed
 
 
 @pytest.mark.slow
