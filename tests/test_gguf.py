@@ -1,6 +1,6 @@
 """`export --format gguf` read back with gguf's own reader and run in llama.cpp itself (llama-cpp-python), against
-the transformers export of the same run: the same ids on text with numbers, logits within 1e-3, the same greedy
-continuation; and each refusal in one line.
+the transformers export of the same run (`bench/gguf_check.py`'s comparison): the same ids on text with numbers,
+logits within 1e-3, the same greedy continuation; and each refusal in one line.
 
 The runs are real and small: tiny-cpu with 256 positions on a BPE learned from Python's own standard library (code:
 digits in runs of every length) and on GPT-2's tokens of tiny Shakespeare. The held-out text is a stdlib module the
@@ -22,7 +22,6 @@ import torch
 from conftest import SHAKESPEARE, python_cmd, run_cmd, subprocess_env
 from gguf import GGUFReader, TokenType
 from gguf.quants import dequantize
-from llama_cpp import Llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from accel_gpt import bpe
@@ -32,6 +31,7 @@ from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.to_gguf import GGUF_FILE, MODELFILE, llama_cpp_name
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.weights import ModelCard, save_weights
+from bench.gguf_check import compare
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 TRAIN_FLAGS = [
@@ -91,39 +91,13 @@ def bpe_exports(bpe_run: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return {**outs, "transformers": exported(bpe_run, root / "hf")}
 
 
-class Compared:
-    """llama.cpp and transformers on one text: ids, logits of the first 64 positions, 32 greedy ids after 16."""
-
-    def __init__(self, hf_folder: Path, gguf_file: Path, text: str) -> None:
-        tok = AutoTokenizer.from_pretrained(hf_folder)
-        hf = AutoModelForCausalLM.from_pretrained(hf_folder).eval()
-        llm = Llama(model_path=str(gguf_file), n_ctx=256, logits_all=True, verbose=False, n_threads=1)
-        try:
-            self.ours = tok(text)["input_ids"]
-            self.theirs = llm.tokenize(text.encode(), add_bos=False, special=False)
-            ids = self.ours[:64]
-            with torch.no_grad():
-                self.hf_logits = hf(torch.tensor([ids])).logits[0].numpy()
-                greedy = hf.generate(torch.tensor([ids[:16]]), max_new_tokens=32, do_sample=False, eos_token_id=None)
-            self.hf_greedy = greedy[0, 16:].tolist()
-            llm.eval(ids)
-            self.llama_logits = np.array(llm.scores[:64])
-            llm.reset()
-            self.llama_greedy = []
-            for token in llm.generate(ids[:16], temp=0.0, top_k=1):
-                self.llama_greedy.append(token)
-                if len(self.llama_greedy) == 32:
-                    break
-        finally:
-            llm.close()
-
-
 def test_the_learned_bpe_runs_in_llama_cpp_as_in_transformers(bpe_exports: dict[str, Path]) -> None:
     text = held_out()
     assert len(re.findall(r"\d{2,}", text)) >= 80  # the point: numbers of many digits
-    got = Compared(bpe_exports["transformers"], bpe_exports["f32"] / GGUF_FILE, text)
+    got = compare(bpe_exports["transformers"], bpe_exports["f32"] / GGUF_FILE, text)
     assert got.theirs == got.ours and len(got.ours) > 2000
-    assert np.abs(got.llama_logits - got.hf_logits).max() < 1e-3
+    assert got.logit_diff < 1e-3
+    assert got.exact_diff < 1e-4  # the file itself is exact: what is left is llama.cpp's own f16 cache and GELU
     assert got.llama_greedy == got.hf_greedy
 
 
@@ -131,9 +105,9 @@ def test_gpt2_tokens_run_in_llama_cpp_as_in_transformers(gpt2_run: Path, tmp_pat
     out = exported(gpt2_run, tmp_path / "gguf", "--format", "gguf")
     hf = exported(gpt2_run, tmp_path / "hf")
     text = SHAKESPEARE.read_text()[-6000:] + " 1599, 12 pence, 365 days and 3.14159"  # past the training text
-    got = Compared(hf, out / GGUF_FILE, text)
+    got = compare(hf, out / GGUF_FILE, text)
     assert got.theirs == got.ours
-    assert np.abs(got.llama_logits - got.hf_logits).max() < 1e-3
+    assert got.logit_diff < 1e-3 and got.exact_diff < 1e-4
     assert got.llama_greedy == got.hf_greedy
     meta = GGUFReader(out / GGUF_FILE).fields
     assert meta["tokenizer.ggml.pre"].contents() == "gpt-2"
@@ -142,9 +116,9 @@ def test_gpt2_tokens_run_in_llama_cpp_as_in_transformers(gpt2_run: Path, tmp_pat
 
 @pytest.mark.parametrize("outtype, within", [("f16", 1e-2), ("bf16", 5e-2)])
 def test_half_precision_files_run_close_to_float32(bpe_exports: dict[str, Path], outtype: str, within: float) -> None:
-    got = Compared(bpe_exports["transformers"], bpe_exports[outtype] / GGUF_FILE, held_out()[:2000])
+    got = compare(bpe_exports["transformers"], bpe_exports[outtype] / GGUF_FILE, held_out())
     assert got.theirs == got.ours
-    assert np.abs(got.llama_logits - got.hf_logits).max() < within
+    assert got.logit_diff < within
 
 
 def test_the_file_read_back_holds_the_model_and_its_tokenizer(bpe_run: Path, bpe_exports: dict[str, Path]) -> None:
