@@ -12,6 +12,9 @@ Only the tokenizer's real vocabulary rows are written (GPT-2's 50,257), not the 
 temporary sibling folder and renamed into place, so a failure leaves no half-written export and `out_dir` is never
 merged into.
 
+`--format gguf` writes the folder with one GGUF file instead (llama.cpp, ollama; see `to_gguf`), an ollama Modelfile
+and the card.
+
 `--push_to_hub REPO_ID` then uploads the folder (`huggingface_hub`: create the repo, upload the folder). Offline
 mode and a missing token are refused before anything is exported; a failed upload leaves the export in place and
 says how to retry the upload alone.
