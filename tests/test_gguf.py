@@ -10,10 +10,12 @@ tokenizer never saw, chosen for its numbers.
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
 import sysconfig
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ import torch
 from conftest import SHAKESPEARE, python_cmd, run_cmd, subprocess_env
 from gguf import GGUFReader, TokenType
 from gguf.quants import dequantize
+from llama_cpp import Llama
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from accel_gpt import bpe
@@ -112,6 +115,25 @@ def test_gpt2_tokens_run_in_llama_cpp_as_in_transformers(gpt2_run: Path, tmp_pat
     meta = GGUFReader(out / GGUF_FILE).fields
     assert meta["tokenizer.ggml.pre"].contents() == "gpt-2"
     assert len(meta["tokenizer.ggml.tokens"].data) == 50257
+
+
+def many_scripts(words: int = 6000) -> str:
+    """Words of random letters, numbers, punctuation, symbols and spaces from every script below U+3000, between
+    spaces, newlines, numbers and contractions: what llama.cpp's split must read as the tokenizer's regex does."""
+    rng = random.Random(0)
+    chars = [chr(c) for c in range(0x20, 0x3000) if unicodedata.category(chr(c))[0] in "LNPSZ"]
+    glue = [" ", "  ", "\n", "\n\n", " 12 ", " 3.14159 ", "'s ", "'LL ", "\t", " \n ", "2026-11-29"]
+    return "".join("".join(rng.choices(chars, k=rng.randint(1, 6))) + rng.choice(glue) for _ in range(words))
+
+
+def test_llama_cpp_splits_text_of_every_script_as_the_tokenizer_does(bpe_run: Path, bpe_exports: dict[str, Path]):
+    tok = Tokenizer.bpe_file(bpe_run / "tokenizer.json")
+    llm = Llama(model_path=str(bpe_exports["f32"] / GGUF_FILE), vocab_only=True, verbose=False)
+    try:
+        for text in (many_scripts(), code_text(100_000)):
+            assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text)
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("outtype, within", [("f16", 1e-2), ("bf16", 5e-2)])
