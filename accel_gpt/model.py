@@ -176,9 +176,9 @@ def norm(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm without a gain over the last dimension. No eps given: torch uses finfo(float32).eps, which is the
     `rms_norm_eps` an export must write for transformers to give the same logits. On a CPU, torch differentiates
     `rms_norm` op by op (pow, mean, rsqrt, mul and their backwards): `_CpuRMSNorm` gives the same values with a
-    backward of three passes, about 3% of nanochat's forward + backward there (bench/RESULTS.md). Elsewhere torch's
-    fused kernels."""
-    if x.device.type == "cpu":
+    backward of three passes, about 3% of nanochat's forward + backward there (bench/RESULTS.md). Elsewhere, and
+    where nothing is differentiated (evaluation, sampling: twice as fast as the Function), torch's own op."""
+    if x.device.type == "cpu" and x.requires_grad and torch.is_grad_enabled():
         return _CpuRMSNorm.apply(x)
     return F.rms_norm(x, (x.size(-1),))
 

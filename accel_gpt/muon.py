@@ -53,7 +53,8 @@ class Muon(torch.optim.Muon):
         bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad)) for p in params]
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        if group["weight_decay"]:  # a multiply by 1 is a pass over every matrix for nothing
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
         for shape, index in same_shapes(params):
             stacked = torch.stack([updates[i] for i in index])
             dtype = self.precision.dtype_for(shape)

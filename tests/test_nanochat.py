@@ -477,7 +477,7 @@ def test_the_export_reads_back_as_the_runs_weights(nanochat_run: dict) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_norm_is_torchs_rms_norm_with_its_gradient(dtype: torch.dtype) -> None:
     """The CPU norm's own backward: the same values as `F.rms_norm` bit for bit (what the export rests on), and the
-    gradient autograd gives through torch's op, to round-off; a q/k-shaped input too."""
+    gradient autograd gives through torch's op, to round-off; a q/k-shaped input too; without a gradient, the same."""
     for shape in [(3, 16, 32), (3, 16, 4, 8)]:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
         g = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -486,6 +486,8 @@ def test_the_cpu_norm_is_torchs_rms_norm_with_its_gradient(dtype: torch.dtype) -
         (grad_ours,), (grad_theirs,) = torch.autograd.grad(ours, x, g), torch.autograd.grad(theirs, x, g)
         tolerance = 1e-6 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(grad_ours, grad_theirs, atol=tolerance, rtol=tolerance)
+        with torch.no_grad():  # evaluation and sampling: torch's op itself
+            assert M.norm(x).grad_fn is None and torch.equal(M.norm(x), theirs)
 
 
 @pytest.mark.slow
