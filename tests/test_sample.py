@@ -19,6 +19,7 @@ from accel_gpt.cli import main as cli_main
 from accel_gpt.cli import parse
 from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.generate import context_warning, encode_prompt, generate, sample_ids, sample_texts, usable_device
+from accel_gpt.generate import draw as gen_draw
 from accel_gpt.model import GPT, GPTConfig, KVCache
 from accel_gpt.tokenizer import Tokenizer
 from accel_gpt.weights import MODEL_CONFIG, ModelCard, load_model, save_weights
@@ -65,6 +66,20 @@ def test_greedy_is_the_argmax_chain_and_ignores_the_seed(loaded) -> None:
     assert draw(loaded, seed=1, temperature=0.0) == draw(loaded, seed=2, temperature=0.0)
     # top-k = 1 leaves only the most likely token, whatever the temperature
     assert draw(loaded, seed=3, top_k=1) == draw(loaded, seed=4, temperature=0.0)
+
+
+def test_a_draw_follows_the_softmax_of_the_top_k_and_never_leaves_them() -> None:
+    """20,000 rows drawn at once: with top_k 3 each id of the 3 largest logits comes up as often as their renormalised
+    softmax says (within 0.015) and no other id ever does; with top_k 0, or one past the vocabulary, all 6 do."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0, 1.5, -3.0]]).expand(20_000, 6)
+    for top_k, kept in ((3, [1, 3, 4]), (0, list(range(6))), (7, list(range(6)))):
+        ids = gen_draw(logits, top_k, torch.Generator().manual_seed(0))
+        assert ids.shape == (20_000, 1)
+        freq = torch.bincount(ids[:, 0], minlength=6).double() / 20_000
+        expected = torch.zeros(6, dtype=torch.float64)
+        expected[kept] = torch.softmax(logits[0, kept].double(), dim=0)
+        torch.testing.assert_close(freq, expected, atol=0.015, rtol=0)
+        assert all(freq[i] == 0 for i in range(6) if i not in kept)
 
 
 def test_a_temperature_too_small_for_fp32_is_greedy(loaded) -> None:
