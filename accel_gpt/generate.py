@@ -238,7 +238,7 @@ def usable_device(name: str) -> torch.device:
 
 def run_sample(cfg: SampleConfig) -> None:
     """`run.py sample`: print `num_samples` continuations, separated by a line of dashes."""
-    from accel_gpt.runtime import keep_freed_memory
+    from accel_gpt.allocator import keep_freed_memory
     from accel_gpt.weights import load_model
 
     device = usable_device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -13,7 +13,7 @@ The need per process:
   activation checkpointing the block inputs plus one block;
 - the LM head: logits, their fp32 copy, the log-softmax and its gradient, over micro_batch_size x seq_len tokens
   (`loss_chunk` rows at a time when set), which for GPT-2's 50,304 ids is most of a small model's need;
-- on a CPU, the freed buffers glibc keeps (`runtime.keep_freed_memory`): a step's transient buffers, the logits'
+- on a CPU, the freed buffers glibc keeps (`allocator.keep_freed_memory`): a step's transient buffers, the logits'
   copies first, are kept for reuse and not all fit the next requests, so the resident peak runs over what is alive
   at once by a share of the activations measured per block (`KEPT_PER_ACTIVATION`).
 """
@@ -30,10 +30,10 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
+from accel_gpt.allocator import keeps_freed_memory
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError
 from accel_gpt.limits import cgroup_memory_room, rlimit_memory_room
-from accel_gpt.runtime import keeps_freed_memory
 
 logger = get_logger(__name__)
 

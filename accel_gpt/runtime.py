@@ -1,4 +1,4 @@
-"""The process side of a run: the Accelerator every command builds, CPU memory settings, and stop signals.
+"""The process side of a run: the Accelerator every command builds, and stop signals.
 
 `make_accelerator` forms one process group of the size the launch asked for, on whatever devices the
 launch gave (the Accelerate config decides; nothing here names a rank or a device). Under an FSDP launch it hands
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import gc
 import os
 import signal
@@ -28,6 +27,7 @@ import torch.distributed.nn.functional  # noqa: F401  before any group forms: se
 from accelerate import Accelerator, PartialState
 from accelerate.utils import FullyShardedDataParallelPlugin, GradientAccumulationPlugin
 
+from accel_gpt.allocator import keep_freed_memory
 from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.limits import check_open_files
 from accel_gpt.precision import Capability, check_mixed_precision, detect
@@ -235,38 +235,6 @@ ATTENTION_SWITCHES: dict[str, Callable[[bool], None]] = {
     "efficient": torch.backends.cuda.enable_mem_efficient_sdp,
     "math": torch.backends.cuda.enable_math_sdp,
 }
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to keep freed large buffers for reuse instead of returning them to the OS.
-
-    By default glibc serves every allocation over its mmap threshold (at most 32 MB) with a fresh mmap and
-    unmaps it on free, so each training step on CPU page-faults its ~100 MB logits buffers in again. With
-    mmap off and a high trim threshold, the tiny-cpu preset ran 100 steps in 40 s instead of 174 s (same
-    losses, +31% peak memory). Returns False where the C library is not glibc, or where the user already set
-    glibc's malloc tunables in the environment (theirs win).
-    """
-    mallopt = _glibc_mallopt()
-    if mallopt is None:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # from glibc's malloc.h
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-
-
-def _glibc_mallopt() -> Callable[[int, int], int] | None:
-    """glibc's mallopt, where the C library is glibc and the user set none of its malloc tunables (theirs win)."""
-    if any(k in os.environ for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return None
-
-
-def keeps_freed_memory() -> bool:
-    """Whether a CPU run here keeps freed buffers (`keep_freed_memory` takes effect): what the memory estimate
-    counts the kept buffers for."""
-    return _glibc_mallopt() is not None
 
 
 def stop_signals() -> list[signal.Signals]:

@@ -26,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from torch.utils.data import DataLoader
 
+from accel_gpt.allocator import keep_freed_memory
 from accel_gpt.cli import parse
 from accel_gpt.config import MODEL_FIELDS, TrainConfig
 from accel_gpt.data.loader import WindowSampler, train_windows
 from accel_gpt.metrics import METRICS, MetricsFile
 from accel_gpt.model import GPT, GPTConfig
 from accel_gpt.optim import lr_multiplier, make_optimizer
-from accel_gpt.runtime import keep_freed_memory
 
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
