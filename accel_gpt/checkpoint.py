@@ -124,6 +124,7 @@ CHANGEABLE_FIELDS += ("lr_schedule", "schedule_steps", "decay_fraction", "max_st
 CHANGEABLE_FIELDS += ("spike_loss_zscore", "spike_grad_zscore", "spike_window", "dropout")
 CHANGEABLE_FIELDS += ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr_fn", "muon_ns_steps")
 CHANGEABLE_FIELDS += ("muon_momentum_warmup", "muon_momentum_start", "muon_ns_dtype", "embedding_lr", "head_lr")
+CHANGEABLE_FIELDS += ("muon_ns_coefficients",)
 
 
 @dataclass
@@ -675,7 +676,10 @@ def other_group_note(path: Path, saved_by: int, processes: int) -> str:
 
 
 def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The CHANGEABLE_FIELDS whose value differs from the checkpoint's config (absent ones are not compared)."""
+    """The CHANGEABLE_FIELDS whose value differs from the checkpoint's config (absent ones are not compared; a Muon
+    run saved before `muon_ns_coefficients` existed iterated torch's quintic)."""
+    if current.get("optimizer") == "muon":
+        saved = {"muon_ns_coefficients": "quintic", **saved}
     return [name for name in CHANGEABLE_FIELDS if name in saved and name in current and saved[name] != current[name]]
 
 

@@ -347,8 +347,15 @@ NANOCHAT_DEFAULTS: dict[str, Any] = {
     "head_lr": 0.008,
     "muon_momentum_warmup": 300,
     "muon_ns_steps": 4,
+    "muon_ns_coefficients": "polar_express",
 }
-GPT2_DEFAULTS: dict[str, Any] = {"bias": True, "gelu": "tanh", "muon_momentum_warmup": 0, "muon_ns_steps": 5}
+GPT2_DEFAULTS: dict[str, Any] = {
+    "bias": True,
+    "gelu": "tanh",
+    "muon_momentum_warmup": 0,
+    "muon_ns_steps": 5,
+    "muon_ns_coefficients": "quintic",
+}
 
 
 def block_defaults(arch: str) -> dict[str, Any]:
@@ -365,7 +372,7 @@ NANOCHAT_ONLY = {
     "embedding_lr": "one AdamW rate for the embedding (learning_rate)",
 }
 MUON_FIELDS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr_fn", "muon_momentum_warmup")
-MUON_FIELDS += ("muon_momentum_start", "muon_ns_steps", "muon_ns_dtype")
+MUON_FIELDS += ("muon_momentum_start", "muon_ns_steps", "muon_ns_coefficients", "muon_ns_dtype")
 # torch.compile's modes; the CUDA-graph ones replay whole steps, which pays off where launches bound a step.
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 LRSchedule = Literal["cosine", "wsd", "linear", "constant"]
@@ -376,6 +383,7 @@ SPIKE_MIN_HISTORY = 16
 AttentionBackend = Literal["auto", "flash", "cudnn", "efficient", "math"]
 OptimizerName = Literal["adamw", "muon"]
 MuonLRAdjust = Literal["original", "match_rms_adamw"]
+NSCoefficients = Literal["quintic", "polar_express"]  # Newton-Schulz's: torch's one quintic, or one per iteration
 
 
 @dataclass
@@ -478,6 +486,11 @@ class TrainConfig(Config):
         None,
         "muon: Newton-Schulz iterations per update (torch's ns_steps; unset: nanochat 4, gpt2 5, torch's)",
         bounds="[1, 99]",
+    )
+    muon_ns_coefficients: NSCoefficients | None = option(
+        None,
+        "muon: Newton-Schulz's quintics: quintic (torch's, one for all iterations) | polar_express (one per "
+        "iteration; unset: nanochat polar_express, gpt2 quintic)",
     )
     muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = option(
         "auto", "muon: Newton-Schulz dtype (auto: bfloat16 on bf16 matrix units, else float32; said at start)"

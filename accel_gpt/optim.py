@@ -73,6 +73,7 @@ def make_optimizer(
     muon = Muon(
         [p for p in params if id(p) in matrices],
         ns_precision,
+        cfg.muon_ns_coefficients,
         lr=cfg.muon_lr,
         weight_decay=cfg.muon_weight_decay,
         momentum=cfg.muon_momentum,

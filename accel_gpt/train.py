@@ -390,7 +390,8 @@ def newton_schulz_line(optimizer: torch.optim.Optimizer) -> str:
     muon = getattr(optimizer, "optimizer", optimizer).muon  # Accelerate's wrapper holds the MuonAdamW
     if muon.fallback:
         return f"Newton-Schulz in torch's bfloat16 ({muon.fallback} that accel_gpt's step does not know)"
-    return muon.precision.describe()
+    steps, name = muon.param_groups[0]["ns_steps"], muon.coefficients
+    return f"{muon.precision.describe()}, {steps} {name} iteration{'s' if steps > 1 else ''}"
 
 
 def save_final(cfg: TrainConfig, accelerator: Accelerator, run: Run, state: TrainState) -> str:

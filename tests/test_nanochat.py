@@ -452,11 +452,13 @@ def test_the_char_recipe_preset_takes_the_block_as_a_flag(tmp_path: Path) -> Non
                        str(data), "--val_tokens", "20000"))  # fmt: skip
     flags = ["--max_steps", "60", "--warmup_steps", "10", "--eval_every", "60", "--eval_windows", "24"]
     flags += ["--save_every", "0", "--sample_tokens", "0", "--log_with", "none", "--optimizer", "muon"]
-    run_cmd(python_cmd("train", "--config", "shakespeare-char-cpu", "--arch", "nanochat", "--data_dir", str(data),
-                       "--out_dir", str(run), *flags))  # fmt: skip
+    proc = run_cmd(python_cmd("train", "--config", "shakespeare-char-cpu", "--arch", "nanochat", "--data_dir",
+                              str(data), "--out_dir", str(run), *flags))  # fmt: skip
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert (config["arch"], config["n_layer"], config["n_embd"], config["bias"]) == ("nanochat", 4, 128, False)
     assert config["muon_momentum_warmup"] == NANOCHAT_DEFAULTS["muon_momentum_warmup"]
+    assert (config["muon_ns_coefficients"], config["muon_ns_steps"]) == ("polar_express", 4)
+    assert "Muon + AdamW, Newton-Schulz in " in proc.stderr and "), 4 polar_express iterations" in proc.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["loss"] == pytest.approx(math.log(65), abs=0.1) and rows[-1]["val_loss"] < 2.7
 

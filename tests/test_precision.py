@@ -184,16 +184,16 @@ def test_muon_in_float32_follows_the_iteration_to_float32_round_off() -> None:
     """fp32 Newton-Schulz (batched) against the same iteration in float64, matrix by matrix: the plain iteration (a
     square matrix) to 1e-5, the Gram form (3:1 and 4:1 matrices) to 5e-4 (exact in float64); bf16 only roughly."""
     generator = torch.Generator().manual_seed(3)
-    coefficients = (torch.optim._muon.DEFAULT_A, torch.optim._muon.DEFAULT_B, torch.optim._muon.DEFAULT_C)
+    schedule = [(torch.optim._muon.DEFAULT_A, torch.optim._muon.DEFAULT_B, torch.optim._muon.DEFAULT_C)] * 5
     for shape, tolerance in [((3, 48, 16), 5e-4), ((2, 16, 64), 5e-4), ((2, 128, 128), 1e-5), ((2, 40, 32), 1e-5)]:
         g = torch.randn(*shape, generator=generator)
         reference = torch.stack([newton_schulz_float64(m, 5) for m in g])
-        fp32 = orthogonalize(g, coefficients, 5, 1e-7, FP32)
-        bf16 = orthogonalize(g, coefficients, 5, 1e-7, BF16)
+        fp32 = orthogonalize(g, schedule, 1e-7, FP32)
+        bf16 = orthogonalize(g, schedule, 1e-7, BF16)
         assert fp32.dtype == FP32 and bf16.dtype == BF16
         assert (fp32 - reference).abs().max() < tolerance, shape
         assert 1e-4 < (bf16.float() - reference).abs().max() < 0.1
-        exact = orthogonalize(g.double(), coefficients, 5, 1e-7, torch.float64)
+        exact = orthogonalize(g.double(), schedule, 1e-7, torch.float64)
         assert (exact.float() - reference).abs().max() < 1e-6, "the Gram form is the same iteration"
         singular = torch.linalg.svdvals(fp32)  # orthogonalized: most near 1 (a square one's smallest lag behind)
         assert 0.7 < singular.median() < 1.3 and singular.max() < 1.3
@@ -259,11 +259,13 @@ def test_the_start_up_line_names_the_class_and_the_newton_schulz_dtype(data: Pat
     proc = run_cmd(python_cmd("train", *FLAGS, "--data_dir", str(data), "--out_dir", str(tmp_path / "avx2")), **capped)
     avx2 = cpu_capability(capped)
     assert f"| cpu {avx2.name}, no bf16 matrix units |" in proc.stderr, proc.stderr[-3000:]
-    assert "Muon + AdamW, Newton-Schulz in float32 (auto: no bf16 matrix units)" in proc.stderr
+    assert "Muon + AdamW, Newton-Schulz in float32 (auto: no bf16 matrix units), 5 quintic iterations" in proc.stderr
 
     args = [*FLAGS, "--muon_ns_dtype", "bfloat16", "--mixed_precision", "bf16"]
+    args += ["--muon_ns_coefficients", "polar_express"]
     proc = run_cmd(python_cmd("train", *args, "--data_dir", str(data), "--out_dir", str(tmp_path / "bf16")), **capped)
     lines = [line for line in proc.stderr.splitlines() if "no bf16 matrix units" in line or "without bf16" in line]
     assert any(line.startswith("warning: mixed_precision bf16 on a CPU without bf16 matrix units") for line in lines)
     assert any("muon_ns_dtype bfloat16 on" in line and "auto picks float32 here" in line for line in lines)
-    assert "Newton-Schulz in bfloat16 (muon_ns_dtype bfloat16)" in proc.stderr and "finished at step 2/2" in proc.stderr
+    assert "Newton-Schulz in bfloat16 (muon_ns_dtype bfloat16), 5 polar_express iterations" in proc.stderr
+    assert "finished at step 2/2" in proc.stderr
