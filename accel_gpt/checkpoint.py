@@ -381,8 +381,8 @@ class Checkpointer:
         if saved.num_processes and saved.num_processes != processes:
             logger.warning(other_group_note(path, saved.num_processes, processes))
         apply_settings(self.optimizer, config)
-        for name in changed_settings(saved.config, config):
-            was, now = ("none" if v in (None, "") else v for v in (saved.config[name], config[name]))
+        for name, *values in changed_settings(saved.config, config):
+            was, now = ("none" if v in (None, "") else v for v in values)
             logger.info(f"resume: {name} {was} -> {now}")
         moved = schedule_moved(self.cfg, saved.config, self.state.step, saved.budget_record)
         if moved:
@@ -675,12 +675,13 @@ def other_group_note(path: Path, saved_by: int, processes: int) -> str:
     )
 
 
-def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The CHANGEABLE_FIELDS whose value differs from the checkpoint's config (absent ones are not compared; a Muon
-    run saved before `muon_ns_coefficients` existed iterated torch's quintic)."""
+def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(name, checkpoint's value, this run's) of the CHANGEABLE_FIELDS that differ (absent ones are not compared; a
+    Muon run saved before `muon_ns_coefficients` existed iterated torch's quintic)."""
     if current.get("optimizer") == "muon":
         saved = {"muon_ns_coefficients": "quintic", **saved}
-    return [name for name in CHANGEABLE_FIELDS if name in saved and name in current and saved[name] != current[name]]
+    names = [name for name in CHANGEABLE_FIELDS if name in saved and name in current]
+    return [(name, saved[name], current[name]) for name in names if saved[name] != current[name]]
 
 
 def saved_state(path: Path) -> TrainState:

@@ -100,13 +100,15 @@ def same_shapes(params: list[Tensor]) -> list[tuple[torch.Size, list[int]]]:
     return [(shape, index) for (shape, _), index in groups.items()]
 
 
-def ns_schedule(name: NSCoefficients, coefficients: tuple[float, float, float], steps: int) -> list[Coefficients]:
+def ns_schedule(name: NSCoefficients, coefficients: Coefficients, steps: int) -> list[Coefficients]:
     """Each of `steps` iterations' (a, b, c): torch's `coefficients` every time (quintic), or Polar Express's rows."""
     if steps >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")  # torch's limit
     if name == "polar_express":
         return [POLAR_EXPRESS[min(k, len(POLAR_EXPRESS) - 1)] for k in range(steps)]
-    return [tuple(coefficients)] * steps
+    if name == "quintic":
+        return [tuple(coefficients)] * steps
+    raise ValueError(f"Newton-Schulz coefficients {name!r}: not quintic or polar_express")
 
 
 def orthogonalize(g: Tensor, schedule: list[Coefficients], eps: float, dtype: torch.dtype) -> Tensor:

@@ -389,7 +389,8 @@ def newton_schulz_line(optimizer: torch.optim.Optimizer) -> str:
     """What Muon's Newton-Schulz runs in, and why (the start-up line)."""
     muon = getattr(optimizer, "optimizer", optimizer).muon  # Accelerate's wrapper holds the MuonAdamW
     if muon.fallback:
-        return f"Newton-Schulz in torch's bfloat16 ({muon.fallback} that accel_gpt's step does not know)"
+        instead = f" with its quintic, not {muon.coefficients}," if muon.coefficients != "quintic" else ""
+        return f"Newton-Schulz in torch's bfloat16{instead} ({muon.fallback} that accel_gpt's step does not know)"
     steps, name = muon.param_groups[0]["ns_steps"], muon.coefficients
     return f"{muon.precision.describe()}, {steps} {name} iteration{'s' if steps > 1 else ''}"
 

@@ -69,7 +69,7 @@ def build(side: str, nanogpt: str | None):
     if variant == "torch_muon":
         import accel_gpt.optim
 
-        accel_gpt.optim.Muon = lambda params, precision, **options: torch.optim.Muon(params, **options)
+        accel_gpt.optim.Muon = lambda params, precision, coefficients, **options: torch.optim.Muon(params, **options)
     model = M.GPT(M.GPTConfig(**cfg.model_settings()))
     opt = make_optimizer(model, cfg, "cpu")
     return model, opt, make_scheduler(opt, cfg)
