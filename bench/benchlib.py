@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -108,18 +109,37 @@ class Child:
     log: str
 
 
-def run_child(cmd: Sequence[str], env: dict[str, str], log_path: Path, gpu: bool) -> Child:
+def run_child(
+    cmd: Sequence[str], env: dict[str, str], log_path: Path, gpu: bool, stop_after: tuple[Path, int] | None = None
+) -> Child:
     """Run `cmd` with its output in `log_path`. Peak memory: on GPU the most device memory in use (nvidia-smi,
-    every 200 ms: CUDA context and allocator cache included); on CPU the child tree's max RSS (wait4)."""
+    every 200 ms: CUDA context and allocator cache included); on CPU the child tree's max RSS (wait4).
+    `stop_after` (a run's metrics.jsonl, n): SIGTERM the run once it has logged n steps, so that a run set up for
+    its full length (which decides what `auto` picks) is measured for only a few steps; it saves and exits 0."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     poller = GpuMemoryPoller() if gpu else None
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(list(cmd), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if stop_after:
+            threading.Thread(target=_stop_after, args=(proc, *stop_after), daemon=True).start()
         _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
     peak = poller.stop() if poller else usage.ru_maxrss * 1024
     return Child(os.waitstatus_to_exitcode(status), seconds, peak, log_path.read_text(errors="replace"))
+
+
+def _stop_after(proc: subprocess.Popen, metrics: Path, steps: int) -> None:
+    """SIGTERM `proc` once `metrics` holds `steps` complete step lines (each with its window's tokens_per_sec)."""
+    while proc.poll() is None:
+        try:
+            lines = metrics.read_text().splitlines(keepends=True)
+        except OSError:
+            lines = []
+        if sum(line.endswith("\n") and '"tokens_per_sec"' in line for line in lines) >= steps:
+            proc.send_signal(signal.SIGTERM)
+            return
+        time.sleep(0.2)
 
 
 class GpuMemoryPoller:

@@ -6,9 +6,11 @@ text grows to a gigabyte.
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python bench/cost_by_size.py train   # the AVX2 class, emulated
     python bench/cost_by_size.py prepare --text_dirs /usr/lib/python3 --mb 125,250,500,1000
 
-train: per size and block, three sides in fresh processes, alternating (bench/train_throughput.py's runs):
+train: per size and block, up to four sides in fresh processes, alternating (bench/train_throughput.py's runs):
 - `default`: the shape's flags only: precision, compilation and threads are what the trainer picks (its start-up
-  line, quoted in the table);
+  line, quoted in the table). What `auto` picks depends on the run's length, so this side is set up for a whole run
+  (`--default_steps`, unset: the trainer's own max_steps) and stopped by SIGTERM once it has logged its steps;
+- `fp32`: `--mixed_precision no --compile false`, what the trainer did before it chose by device;
 - `best`: the fastest flags known for this class: `--mixed_precision bf16 --compile true` where the CPU has bf16
   matrix units, `--compile true` elsewhere (fp32);
 - `plain`: bench/plain_loop.py, the loop a nanoGPT user writes, on the same model, data and batch (fp32 on a CPU).
@@ -75,13 +77,17 @@ def parse_args() -> argparse.Namespace:
     train = sub.add_parser("train", help="tokens/s, peak share, memory, eval and checkpoint cost by size")
     train.add_argument("--sizes", default=",".join(SIZES), help=f"some of {', '.join(SIZES)}")
     train.add_argument("--blocks", default="gpt2,nanochat")
-    train.add_argument("--sides", default="default,best,plain")
+    train.add_argument("--sides", default="default,fp32,best,plain")
     train.add_argument("--rounds", type=int, default=1, help="alternating rounds of the sides")
     train.add_argument("--warmup", type=int, default=2, help="steps per run left out")
     train.add_argument("--steps", type=int, default=4, help="measured steps per run")
     train.add_argument("--vocab_size", type=int, default=16384, help="the BPE's ids (a small text learns fewer)")
     train.add_argument("--text", type=Path, default=TEXT, help="the text to learn the BPE from and train on")
     train.add_argument("--threads", type=int, default=None, help="OMP threads of every child (default: theirs)")
+    train.add_argument("--flags", default="", help="more train flags for every side, e.g. '--optimizer muon'")
+    train.add_argument(
+        "--default_steps", type=int, default=None, help="the default side's max_steps (unset: the trainer's own)"
+    )
     prep = sub.add_parser("prepare", help="prepare's throughput and peak memory as the text grows")
     prep.add_argument("--text_dirs", required=True, help="comma-separated folders of text files")
     prep.add_argument("--mb", default="125,250,500,1000", help="text sizes, in MB")
@@ -147,20 +153,24 @@ class Said:
         )
 
 
-def shape_flags(size: str, block: str, data_dir: Path, steps: int) -> list[str]:
+def shape_flags(size: str, block: str, data_dir: Path, steps: int | None) -> list[str]:
     n_layer, n_head, n_embd, seq_len, micro, tokens = SIZES[size]
-    flags = ["--data_dir", str(data_dir), "--arch", block, "--max_steps", str(steps), *STEP_ONLY.split()]
+    flags = ["--data_dir", str(data_dir), "--arch", block, *STEP_ONLY.split()]
+    flags += ["--max_steps", str(steps)] if steps else []
     flags += ["--n_layer", str(n_layer), "--n_head", str(n_head), "--n_embd", str(n_embd), "--seq_len", str(seq_len)]
     return [*flags, "--micro_batch_size", str(micro), "--total_batch_size", str(tokens)]
 
 
 def train_sides(size: str, block: str, args: argparse.Namespace, data_dir: Path, bf16_units: bool) -> list[Side]:
     steps = args.warmup + args.steps
-    base = shape_flags(size, block, data_dir, steps)
+    more = args.flags.split()
+    base = [*shape_flags(size, block, data_dir, steps), *more]
     off = ["--eval_every", "0", "--save_every", "0"]
     best = ["--mixed_precision", "bf16", "--compile", "true"] if bf16_units else ["--compile", "true"]
+    whole = [*shape_flags(size, block, data_dir, args.default_steps), "--eval_every", str(steps), *more]
     every = {
-        "default": Side("default", "accel_gpt", [*base, "--eval_every", str(steps), "--save_every", str(steps)]),
+        "default": Side("default", "accel_gpt", whole, stop_after=steps),  # SIGTERM: it saves once, then exits
+        "fp32": Side("fp32", "accel_gpt", [*base, *off, "--mixed_precision", "no", "--compile", "false"]),
         "best": Side("best", "accel_gpt", [*base, *off, *best]),
         "plain": Side("plain", "plain", [*base, *off, "--compile", "false"]),
     }
@@ -198,8 +208,8 @@ def train(args: argparse.Namespace) -> None:
 
 
 TRAIN_COLUMNS = [
-    "size", "block", "params", "default: chosen", "default tok/s", "best tok/s", "plain tok/s", "default/plain",
-    "share of peak", "peak mem (estimate)", "eval s", "checkpoint s",
+    "size", "block", "params", "default: chosen", "default tok/s", "fp32 tok/s", "best tok/s", "plain tok/s",
+    "default/fp32", "default/plain", "share of peak", "peak mem (estimate)", "eval s", "checkpoint s",
 ]  # fmt: skip
 
 
@@ -214,15 +224,17 @@ def train_row(size: str, block: str, sides: list[Side], peaks: dict[str, float])
     def rate(label: str) -> str:
         return fmt_rate(by[label].tokens_per_sec()) if label in by else "-"
 
+    def ratio(label: str) -> str:
+        return f"{default.tokens_per_sec() / by[label].tokens_per_sec():.2f}" if label in by else "-"
+
     if default is None:
-        return [size, block, params, "-", "-", rate("best"), rate("plain"), "-", "-", "-", "-", "-"]
+        return [size, block, params, "-", "-", rate("fp32"), rate("best"), rate("plain"), *["-"] * 6]
     said = default.said
     chosen = f"{said.precision}, {'compiled' if said.compiled else 'eager'}, {said.threads} thr"
-    ratio = f"{default.tokens_per_sec() / by['plain'].tokens_per_sec():.2f}" if "plain" in by else "-"
     share = f"{100 * default.tokens_per_sec() * fpt / peaks.get(said.precision, peaks['no']):.0f}%"
     memory = f"{said.peak} ({said.estimate})"
-    return [size, block, params, chosen, rate("default"), rate("best"), rate("plain"), ratio, share, memory,
-            said.evaluation, said.checkpoint]  # fmt: skip
+    return [size, block, params, chosen, rate("default"), rate("fp32"), rate("best"), rate("plain"), ratio("fp32"),
+            ratio("plain"), share, memory, said.evaluation, said.checkpoint]  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ prepare

@@ -116,6 +116,7 @@ class Side:
     flags: list[str]
     processes: int = 1
     runs: list[Measured] = field(default_factory=list)
+    stop_after: int | None = None  # SIGTERM the run after this many logged steps (it was set up for more)
 
     @functools.cached_property
     def config(self) -> TrainConfig:
@@ -157,7 +158,8 @@ def command(side: Side, out_dir: Path, cuda: bool) -> list[str]:
 def measure(side: Side, args: argparse.Namespace, run_dir: Path, warmup: int) -> Measured:
     """One run of `side` in a fresh process; raises with the end of its log if it fails."""
     log = run_dir.with_suffix(".log")
-    child = run_child(command(side, run_dir, args.cuda), child_env(args.threads), log, args.cuda)
+    stop = (run_dir / "metrics.jsonl", side.stop_after) if side.stop_after else None
+    child = run_child(command(side, run_dir, args.cuda), child_env(args.threads), log, args.cuda, stop)
     if child.returncode != 0:
         raise ChildFailed(f"{side.label} exited {child.returncode}; log: {log}", child.log)
     tokens = side.config.total_batch_size
