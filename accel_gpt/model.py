@@ -273,6 +273,13 @@ class ReluSquaredMLP(nn.Module):
 # ------------------------------------------------------------------------------------------------ both
 
 
+# On a CPU, torch's bf16 flash-attention kernel is slow on short sequences, its backward most: forward + backward of
+# 12 x 4 heads x 64 x 32 (nanoGPT's CPU recipe) took 7.4 ms in bf16 against 2.0 in fp32 (the inputs cast), and at
+# 256 positions 64.1 against 53.7 ms, on an AVX512-BF16 EPYC (one thread); from 1,024 on bf16 was the faster (413
+# against 482 ms). So up to this many positions a CPU computes attention in fp32 under bf16 (bench/RESULTS.md).
+CPU_FP32_ATTENTION_MAX_T = 256
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, layer: int, dropout: float
 ) -> torch.Tensor:
@@ -283,10 +290,21 @@ def attend(
         k, v = cache.extend(layer, k, v)
     gqa = {"enable_gqa": True} if k.size(1) != q.size(1) else {}  # k/v heads shared by groups of q heads
     if start == 0:  # flash/memory-efficient kernel on GPU; dropout on the attention weights, inside the kernel
+        if q.device.type == "cpu" and q.size(2) <= CPU_FP32_ATTENTION_MAX_T and _bf16_on_cpu(q):
+            with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back to bf16
+                q, k, v = q.float(), k.float(), v.float()
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, **gqa)
+            return y.to(torch.bfloat16)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, **gqa)
     T = q.size(2)  # the new tokens attend to all cached ones and, causally, to each other
     mask = None if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=q.device).tril(start)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+
+
+def _bf16_on_cpu(x: torch.Tensor) -> bool:
+    """x is bf16, or becomes bf16 in the next matmul: CPU autocast to bf16 is on."""
+    autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    return x.dtype == torch.bfloat16 or autocast
 
 
 @dataclass(frozen=True)

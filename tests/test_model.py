@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from accel_gpt.model import GPT, GPTConfig
 
@@ -181,3 +182,36 @@ def test_chunked_loss_is_used_only_for_training() -> None:
     x, y = batch()
     logits, loss = model(x, y)
     assert logits.shape == (4, CFG.seq_len, VOCAB) and loss is not None
+
+
+class AttentionInputs(TorchDispatchMode):
+    """The dtype of the query each attention kernel (forward and backward) is handed, below autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+        if "scaled_dot_product" in func.overloadpacket.__name__:
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "nanochat"])
+@pytest.mark.parametrize(("seq_len", "kernel_dtype"), [(16, torch.float32), (288, torch.bfloat16)])
+def test_a_cpu_under_bf16_attends_in_fp32_up_to_256_positions(
+    arch: str, seq_len: int, kernel_dtype: torch.dtype
+) -> None:
+    """torch's bf16 flash-attention backward on a CPU is 3-4x its fp32 one at nanoGPT's recipe's 64 positions: there
+    the kernel gets fp32 inputs (forward and backward), longer sequences keep bf16; the block's output stays bf16."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, seq_len=seq_len, vocab_size=VOCAB, arch=arch)).train()
+    x = torch.randint(0, VOCAB, (2, seq_len))
+    seen = AttentionInputs()
+    with seen, torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, x, return_logits=False)
+        y = model.transformer.h[0].attn(torch.randn(2, seq_len, 32), model.rope(0, seq_len))
+    with seen:
+        loss.backward()
+    assert len(seen.dtypes) >= 3 and set(seen.dtypes) == {kernel_dtype}  # forward twice, backward once
+    assert y.dtype == torch.bfloat16
