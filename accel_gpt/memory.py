@@ -34,6 +34,7 @@ from accel_gpt.allocator import keeps_freed_memory
 from accel_gpt.config import TrainConfig
 from accel_gpt.errors import ConfigError
 from accel_gpt.limits import cgroup_memory_room, rlimit_memory_room
+from accel_gpt.model import CPU_FP32_ATTENTION_MAX_T
 
 logger = get_logger(__name__)
 
@@ -41,6 +42,9 @@ logger = get_logger(__name__)
 # half-precision autocast: measured with saved-tensor hooks (tests/test_memory.py measures them again). Under
 # autocast the norms' outputs and the residual stream stay fp32, so half precision saves less than half.
 SAVED_BYTES_PER_WIDTH = {("gpt2", False): 65, ("gpt2", True): 61, ("nanochat", False): 57, ("nanochat", True): 74}
+# Under bf16 on a CPU, attention over up to CPU_FP32_ATTENTION_MAX_T positions runs in fp32 (model.attend), which keeps
+# its inputs and output in fp32: 9.5 more bytes per width under GPT-2's block, 9.4 under nanochat's (measured alike).
+CPU_FP32_ATTENTION_BYTES_PER_WIDTH = 9.5
 # Freed buffers glibc keeps on a CPU (`keep_freed_memory`), per byte of activations, by block: the resident peak over
 # the tensors alive at once. Measured on tiny-cpu's shape over 1 to 32 sequences per micro-batch (bench/RESULTS.md,
 # "Memory"): the peak ran 1.3-2.6x the activations over the states under GPT-2's block, 1.7-2.4x under nanochat's,
@@ -98,16 +102,19 @@ def estimate(
     share = processes if fsdp else 1
     weights = 4 * params // share + (2 * params if half else 0)
     optimizer = (4 * muon_params + 8 * (params - muon_params)) if cfg.optimizer == "muon" else 8 * params
-    activations = activation_bytes(cfg, half)
+    activations = activation_bytes(cfg, half, cpu)
     held = int(KEPT_PER_ACTIVATION[cfg.arch] * activations) if kept else 0
     return MemoryNeed(weights, 4 * params // share, optimizer // share, activations, held, CPU_RUNTIME_BYTES * cpu)
 
 
-def activation_bytes(cfg: TrainConfig, half: bool) -> int:
+def activation_bytes(cfg: TrainConfig, half: bool, cpu: bool = False) -> int:
     """One micro-batch's activations kept for backward, and the LM head's logits at the loss's peak."""
     tokens, width = cfg.micro_batch_size * cfg.seq_len, cfg.n_embd
     element = 2 if half else 4
-    per_layer = SAVED_BYTES_PER_WIDTH[cfg.arch, half] * width
+    saved = SAVED_BYTES_PER_WIDTH[cfg.arch, half]
+    if half and cpu and cfg.mixed_precision == "bf16" and cfg.seq_len <= CPU_FP32_ATTENTION_MAX_T:
+        saved += CPU_FP32_ATTENTION_BYTES_PER_WIDTH
+    per_layer = int(saved * width)
     if cfg.activation_checkpointing:  # each block's input (the fp32 residual stream), and one block recomputed
         blocks = tokens * (cfg.n_layer * width * 4 + per_layer)
     else:

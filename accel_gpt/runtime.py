@@ -31,7 +31,13 @@ from accel_gpt.allocator import keep_freed_memory
 from accel_gpt.errors import ConfigError, UserError
 from accel_gpt.limits import check_open_files
 from accel_gpt.precision import Capability, check_mixed_precision, detect
-from accel_gpt.workarounds import check_claims_can_hold, check_fsdp_can_run, check_group, cpu_only
+from accel_gpt.workarounds import (
+    check_claims_can_hold,
+    check_fsdp_can_run,
+    check_group,
+    cpu_only,
+    forget_previous_precision,
+)
 
 
 def make_accelerator(
@@ -70,6 +76,7 @@ def make_accelerator(
     fsdp = fsdp_plugin(kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     steps = accumulation(state.num_processes) if accumulation else 1
     plugin = GradientAccumulationPlugin(num_steps=steps, sync_with_dataloader=False)
+    forget_previous_precision(kwargs.get("mixed_precision"))
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_plugin=plugin, fsdp_plugin=fsdp, **kwargs)
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32)

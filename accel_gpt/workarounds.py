@@ -27,6 +27,10 @@ when Accelerate changes:
   (torch/distributed/checkpoint/default_planner.py, `DefaultLoadPlanner.load_bytes`).
 - `drop_tied_head`: `save_state` drops the alias of a tied weight itself but warns at every save
   (accelerate/utils/other.py, `clean_state_dict_for_safetensors`: "Removed shared tensor ...").
+- `forget_previous_precision`: Accelerate keeps the first Accelerator's mixed precision process-wide and refuses
+  another ("AcceleratorState has already been initialized and cannot be changed": accelerate/state.py,
+  `AcceleratorState._check_initialized`), so a second run in one process (a notebook, the tests) that chooses
+  another precision for its device and size would fail at start.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
 
 from accel_gpt.errors import UserError
 
@@ -115,6 +120,14 @@ def check_claims_can_hold(cpu: bool, mixed_precision: str) -> None:
             "parameters, gradients and optimizer state with FSDP instead (accelerate_configs/fsdp.yaml), or train "
             "with DDP (accelerate_configs/multi_gpu.yaml)"
         )
+
+
+def forget_previous_precision(mixed_precision: str | None) -> None:
+    """Clear the settings an earlier run in this process left in Accelerate's process-wide state where this run
+    trains in another precision; the process group (PartialState) stays."""
+    earlier = AcceleratorState._shared_state.get("_mixed_precision")
+    if mixed_precision is not None and earlier is not None and earlier != mixed_precision:
+        AcceleratorState._reset_state()
 
 
 def reset_micro_step(accelerator: Accelerator) -> None:

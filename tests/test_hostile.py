@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import HELLASWAG, python_cmd, run_cmd, write_token_shards
 from safetensors.torch import load_file, save_file
 
@@ -96,6 +97,16 @@ def test_a_shape_far_too_large_is_refused_before_it_is_built(capsys, tmp_path: P
     shape = ["--n_layer", "1000", "--n_embd", "4096", "--n_head", "32"]
     err = one_error(capsys, "train", *TINY, *shape, "--data_dir", str(data), "--out_dir", str(tmp_path / "o"))
     assert err.startswith("error: this run needs about ") and "--check_memory false" in err
+
+
+def test_a_second_run_in_one_process_may_train_in_another_precision(tmp_path: Path, data: Path) -> None:
+    """Accelerate keeps the first run's mixed precision process-wide; a second run in the same process (a notebook,
+    these tests) that trains in another, as `auto` chooses for a wider model on a CPU with bf16 units, still starts."""
+    for i, precision in enumerate(("no", "bf16", "no")):
+        out = tmp_path / f"run{i}"
+        main(["train", *TINY, "--max_steps", "1", "--mixed_precision", precision, "--eval_every", "0", "--data_dir",
+              str(data), "--out_dir", str(out), "--resume", "none"])  # fmt: skip
+        assert yaml.safe_load((out / "config.yaml").read_text())["mixed_precision"] == precision
 
 
 # ------------------------------------------------------------------------------------------------ weights
