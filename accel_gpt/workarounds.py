@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
 
 from accel_gpt.errors import UserError
 
@@ -124,10 +125,19 @@ def check_claims_can_hold(cpu: bool, mixed_precision: str) -> None:
 
 def forget_previous_precision(mixed_precision: str | None) -> None:
     """Clear the settings an earlier run in this process left in Accelerate's process-wide state where this run
-    trains in another precision; the process group (PartialState) stays."""
-    earlier = AcceleratorState._shared_state.get("_mixed_precision")
-    if mixed_precision is not None and earlier is not None and earlier != mixed_precision:
-        AcceleratorState._reset_state()
+    trains in another precision (None: the launch's, as a new process would read it); the process group
+    (PartialState) stays. Not under FSDP, whose state Accelerate rebuilds only in a new process."""
+    state = AcceleratorState._shared_state
+    earlier = state.get("_mixed_precision")
+    wanted = mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if earlier is None or earlier == wanted:
+        return
+    if state.get("distributed_type") == DistributedType.FSDP:
+        raise UserError(
+            f"this process already ran under FSDP in mixed precision {earlier}, and Accelerate cannot change that "
+            f"within a process: run the {wanted} one in a new process"
+        )
+    AcceleratorState._reset_state()
 
 
 def reset_micro_step(accelerator: Accelerator) -> None:

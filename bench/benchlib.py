@@ -121,25 +121,26 @@ def run_child(
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(list(cmd), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        ended = threading.Event()  # set once the child is reaped: the watcher never reaps it nor signals after
         if stop_after:
-            threading.Thread(target=_stop_after, args=(proc, *stop_after), daemon=True).start()
+            threading.Thread(target=_stop_after, args=(proc.pid, ended, *stop_after), daemon=True).start()
         _, status, usage = os.wait4(proc.pid, 0)
+        ended.set()
     seconds = time.perf_counter() - start
     peak = poller.stop() if poller else usage.ru_maxrss * 1024
     return Child(os.waitstatus_to_exitcode(status), seconds, peak, log_path.read_text(errors="replace"))
 
 
-def _stop_after(proc: subprocess.Popen, metrics: Path, steps: int) -> None:
-    """SIGTERM `proc` once `metrics` holds `steps` complete step lines (each with its window's tokens_per_sec)."""
-    while proc.poll() is None:
+def _stop_after(pid: int, ended: threading.Event, metrics: Path, steps: int) -> None:
+    """SIGTERM `pid` once `metrics` holds `steps` complete step lines (each with its window's tokens_per_sec)."""
+    while not ended.wait(0.2):
         try:
             lines = metrics.read_text().splitlines(keepends=True)
         except OSError:
             lines = []
         if sum(line.endswith("\n") and '"tokens_per_sec"' in line for line in lines) >= steps:
-            proc.send_signal(signal.SIGTERM)
+            os.kill(pid, signal.SIGTERM)  # unreaped until `ended`: at worst a zombie, never another process
             return
-        time.sleep(0.2)
 
 
 class GpuMemoryPoller:

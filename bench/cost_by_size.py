@@ -168,8 +168,10 @@ def train_sides(size: str, block: str, args: argparse.Namespace, data_dir: Path,
     off = ["--eval_every", "0", "--save_every", "0"]
     best = ["--mixed_precision", "bf16", "--compile", "true"] if bf16_units else ["--compile", "true"]
     whole = [*shape_flags(size, block, data_dir, args.default_steps), "--eval_every", str(steps), *more]
+    stop_itself = args.default_steps is not None and args.default_steps <= steps
     every = {
-        "default": Side("default", "accel_gpt", whole, stop_after=steps),  # SIGTERM: it saves once, then exits
+        # SIGTERM: it saves once and exits 0; a run that ends by itself at that step is not signalled (too late)
+        "default": Side("default", "accel_gpt", whole, stop_after=None if stop_itself else steps),
         "fp32": Side("fp32", "accel_gpt", [*base, *off, "--mixed_precision", "no", "--compile", "false"]),
         "best": Side("best", "accel_gpt", [*base, *off, *best]),
         "plain": Side("plain", "plain", [*base, *off, "--compile", "false"]),

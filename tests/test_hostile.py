@@ -12,10 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
 from conftest import HELLASWAG, python_cmd, run_cmd, write_token_shards
 from safetensors.torch import load_file, save_file
 
 from accel_gpt.cli import main
+from accel_gpt.errors import UserError
+from accel_gpt.workarounds import forget_previous_precision
 
 VOCAB = 64
 TINY = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--seq_len", "16", "--vocab_size", str(VOCAB)]
@@ -107,6 +111,22 @@ def test_a_second_run_in_one_process_may_train_in_another_precision(tmp_path: Pa
         main(["train", *TINY, "--max_steps", "1", "--mixed_precision", precision, "--eval_every", "0", "--data_dir",
               str(data), "--out_dir", str(out), "--resume", "none"])  # fmt: skip
         assert yaml.safe_load((out / "config.yaml").read_text())["mixed_precision"] == precision
+
+
+@pytest.mark.parametrize(("launch", "cleared"), [("no", True), ("bf16", False)])
+def test_the_launch_s_precision_is_what_a_run_without_its_own_is_compared_with(
+    monkeypatch: pytest.MonkeyPatch, launch: str, cleared: bool
+) -> None:
+    """`eval` asks for no precision: after an in-process bf16 run it gets the launch's, as a new process would; under
+    FSDP, whose state Accelerate cannot rebuild in one process, a change is refused in one line."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launch)
+    state = {"_mixed_precision": "bf16", "distributed_type": DistributedType.NO}
+    monkeypatch.setattr(AcceleratorState, "_shared_state", state)
+    forget_previous_precision(None)
+    assert (state == {}) is cleared
+    state.update(_mixed_precision="bf16", distributed_type=DistributedType.FSDP)
+    with pytest.raises(UserError, match=r"in a new process$"):
+        forget_previous_precision("fp16")
 
 
 # ------------------------------------------------------------------------------------------------ weights
