@@ -575,7 +575,8 @@ def test_sighup_saves_at_the_stop_step_like_sigterm(data: Path, tmp_path: Path, 
     """A closed terminal or ssh session (SIGHUP to every process, during step 2) stops the run as SIGTERM does:
     step 2 finished, saved and logged, the workers exit 0. torchrun itself exits 1 on the SIGHUP it forwards."""
     out = tmp_path / "run"
-    rc, output = interrupted(processes, data, out, "--pause_at 2", signal.SIGHUP)
+    with hangups_delivered():
+        rc, output = interrupted(processes, data, out, "--pause_at 2", signal.SIGHUP)
     assert rc == (0 if processes == 1 else 1), output[-4000:]
     assert_group(output, processes)
     assert "SIGHUP: finishing the current step, then saving and exiting\n" in output
@@ -587,11 +588,11 @@ def test_a_hangup_is_a_stop_that_never_aborts_and_nohup_is_kept() -> None:
     """In-process: SIGHUP sets the stop flag; after a Ctrl-C (whose save is under way) a hangup does not abort as a
     second Ctrl-C would; a process started with SIGHUP ignored (`nohup`) keeps ignoring it."""
     one = SimpleNamespace(is_main_process=False, num_processes=1)
-    with StopSignal(one) as stop:
+    with hangups_delivered(), StopSignal(one) as stop:
         assert signal.getsignal(signal.SIGHUP) == stop._handle  # else the kill below would end pytest
         os.kill(os.getpid(), signal.SIGHUP)
         assert stop.requested() and stop.first == signal.SIGHUP
-    with StopSignal(one) as stop:
+    with hangups_delivered(), StopSignal(one) as stop:
         assert signal.getsignal(signal.SIGINT) == stop._handle  # else the kill below would interrupt pytest itself
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGHUP)
@@ -600,6 +601,17 @@ def test_a_hangup_is_a_stop_that_never_aborts_and_nohup_is_kept() -> None:
     try:
         with StopSignal(one):
             assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+@contextlib.contextmanager
+def hangups_delivered() -> Iterator[None]:
+    """SIGHUP at its default disposition meanwhile, as under a terminal. A suite started with `nohup` ignores it,
+    and a process inherits an ignored signal: the runs it starts would keep ignoring SIGHUP, as they should."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
     finally:
         signal.signal(signal.SIGHUP, previous)
 
