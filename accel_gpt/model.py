@@ -276,7 +276,8 @@ class ReluSquaredMLP(nn.Module):
 # On a CPU, torch's bf16 flash-attention kernel is slow on short sequences, its backward most: forward + backward of
 # 12 x 4 heads x 64 x 32 (nanoGPT's CPU recipe) took 7.4 ms in bf16 against 2.0 in fp32 (the inputs cast), and at
 # 256 positions 64.1 against 53.7 ms, on an AVX512-BF16 EPYC (one thread); from 1,024 on bf16 was the faster (413
-# against 482 ms). So up to this many positions a CPU computes attention in fp32 under bf16 (bench/RESULTS.md).
+# against 482 ms). So up to this many positions a CPU computes attention in fp32 under bf16. Measured by
+# bench/attention_precision.py, to be run again on each CPU class (bench/RESULTS.md).
 CPU_FP32_ATTENTION_MAX_T = 256
 
 
