@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from accel_gpt.model import CPU_FP32_ATTENTION_MAX_T
-from bench.benchlib import header, table
+from bench.benchlib import alternate, header, table
 
 # (batch, heads, positions, head width): nanoGPT's CPU recipe, the 23M case of bench/cost_by_size.py, and around them
 SHAPES = [
@@ -70,11 +70,10 @@ def measure(shape: tuple[int, int, int, int], repeats: int) -> dict[str, tuple[f
     grad = torch.randn(*shape, generator=gen).bfloat16()
     sides = {"bf16": bf16_kernel, "fp32": fp32_kernel}
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
-    for i in range(repeats + 2):  # the first two of each side warm up
-        for name in sides if i % 2 == 0 else reversed(sides):
-            spent = timed(lambda fn=sides[name]: fn(q, k, v).backward(grad))
-            if i >= 2:
-                runs[name].append(spent)
+    for i, name in alternate(list(sides), repeats + 2):  # the first two rounds warm up
+        spent = timed(lambda fn=sides[name]: fn(q, k, v).backward(grad))
+        if i >= 2:
+            runs[name].append(spent)
     return {name: tuple(statistics.median(t[j] for t in rows) for j in (0, 1)) for name, rows in runs.items()}
 
 
